@@ -1,0 +1,222 @@
+"""Public entry points: ``linear_cross_entropy`` and ``LinearCrossEntropyLoss``, with argument checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .function import LinearCrossEntropyFunction, chunk_loop
+from .kernels import resolve_backend
+from .options import LossOptions
+from .planner import plan_chunks
+
+
+@dataclass
+class LossStats:
+    """Side results (detached device tensors, no host sync).
+
+    z_loss: the z-loss part of the loss, reduced like the loss; accuracy: share of valid tokens whose
+    argmax is the target; num_valid: number of tokens that are not ``ignore_index``.
+    """
+
+    z_loss: torch.Tensor
+    accuracy: torch.Tensor
+    num_valid: torch.Tensor
+
+
+@torch.compiler.disable  # data-dependent control flow and Triton launches: one graph break, exact result
+def linear_cross_entropy(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    accum_dtype: torch.dtype | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+    return_stats: bool = False,
+    validate_target: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, LossStats]:
+    """Cross-entropy of ``input @ linear_weight.T + linear_bias`` without materializing the logits.
+
+    Equals ``F.cross_entropy(logits / temperature -> softcap, target, weight, ...)`` plus
+    ``z_loss * logsumexp(logits)**2`` per valid token, computed chunk by chunk.
+
+    Args:
+        input: (..., H) hidden states. linear_weight: (V, H). target: (...) class indices.
+        linear_bias: (V,) or None. weight: (V,) class weights or None.
+        reduction: "mean" | "sum" | "none" ("none" returns target's shape, 0 at ignored tokens).
+        num_items_in_batch: with "mean"/"sum", the loss is the sum over valid tokens divided by it
+            (Hugging Face gradient accumulation).
+        accum_dtype: grad_weight accumulator dtype (None: float32 across chunks, see planner).
+        chunk_size: rows per chunk (None: from a memory budget, see planner).
+        backend: "auto" (triton on CUDA, torch elsewhere), "triton" or "torch".
+        return_stats: also return a ``LossStats``.
+        validate_target: check targets lie in [0, V) and drop ignored rows before the GEMMs; this
+            syncs with the host once. False makes the call sync-free (CUDA-graph capture): targets
+            are then trusted and ignored rows are computed and zeroed.
+    """
+    opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction)
+    _check_tensors(input, linear_weight, target, linear_bias, weight)
+    if reduction == "none" and num_items_in_batch is not None:
+        raise ValueError("num_items_in_batch cannot be combined with reduction='none'")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
+        raise TypeError(f"accum_dtype must be a floating torch.dtype or None, got {accum_dtype!r}")
+    backend = resolve_backend(backend, input.device)
+    compute_dtype = _compute_dtype(input, linear_weight, linear_bias)
+
+    hidden, vocab = input.shape[-1], linear_weight.shape[0]
+    x = input.reshape(-1, hidden)
+    t = target.reshape(-1).long().contiguous()
+    valid = t != ignore_index
+    rows = None  # indices of the valid rows, when ignored rows are dropped
+    if validate_target and t.numel():
+        rows = _check_and_compact(t, valid, vocab)
+        if rows is not None:
+            x, t = x.index_select(0, rows), t.index_select(0, rows)
+
+    class_w = weight.float().contiguous() if weight is not None else None
+    weight_sum = class_w.sum() if class_w is not None else None
+    scale = None if reduction == "none" else _reduction_scale(t, valid, class_w, opts, num_items_in_batch)
+    plan = plan_chunks(x.shape[0], vocab, compute_dtype, linear_weight.dtype,
+                       chunk_size=chunk_size, accum_dtype=accum_dtype)
+    args = (x, linear_weight, linear_bias, t, class_w, weight_sum)
+    if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:3]):
+        loss, lse, correct = LinearCrossEntropyFunction.apply(
+            *args, scale, opts, plan, compute_dtype, backend, return_stats
+        )
+    else:  # nothing to differentiate: the loop computes the loss alone
+        parts, _ = chunk_loop(*args, None, (False, False, False), opts, plan, compute_dtype, backend,
+                              want_correct=return_stats)
+        loss = parts.loss if scale is None else parts.loss.sum() * scale
+        lse, correct = parts.lse, parts.correct
+
+    if reduction == "none":
+        loss = _scatter_rows(loss, rows, valid.numel()).reshape(target.shape)
+    if not return_stats:
+        return loss
+    return loss, _stats(lse, correct, valid, rows, scale, opts, target.shape)
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """Module form of :func:`linear_cross_entropy`; the keyword options are fixed at construction."""
+
+    def __init__(self, **options) -> None:
+        super().__init__()
+        LossOptions(  # fail at construction, not at the first step
+            options.get("ignore_index", -100), options.get("label_smoothing", 0.0),
+            options.get("z_loss", 0.0), options.get("softcap"), options.get("temperature", 1.0),
+            options.get("reduction", "mean"),
+        )
+        self.options = options
+
+    def forward(self, input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor,
+                linear_bias: torch.Tensor | None = None):
+        return linear_cross_entropy(input, linear_weight, target, linear_bias=linear_bias, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+
+
+def _check_tensors(input, linear_weight, target, bias, class_weight) -> None:
+    for name, t in (("input", input), ("linear_weight", linear_weight), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not input.is_floating_point():
+        raise TypeError(f"input must be a floating-point tensor, got {input.dtype}")
+    if linear_weight.dim() != 2 or not linear_weight.is_floating_point():
+        raise ValueError(f"linear_weight must be a 2-D floating tensor (V, H), got {tuple(linear_weight.shape)} "
+                         f"{linear_weight.dtype}")
+    if input.dim() < 1 or input.shape[-1] != linear_weight.shape[1]:
+        raise ValueError(f"hidden size mismatch: input has {tuple(input.shape)}, linear_weight (V, H) has "
+                         f"{tuple(linear_weight.shape)}")
+    if target.dtype == torch.bool or target.is_floating_point() or target.is_complex():
+        raise TypeError(f"target must hold integer class indices, got {target.dtype}")
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(f"target shape {tuple(target.shape)} must equal input's leading shape "
+                         f"{tuple(input.shape[:-1])}")
+    vocab = linear_weight.shape[0]
+    for name, t in (("linear_bias", bias), ("weight", class_weight)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != (vocab,):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a floating tensor of shape ({vocab},), got {shape}")
+    devices = {n: t.device for n, t in (("input", input), ("linear_weight", linear_weight),
+                                        ("target", target), ("linear_bias", bias), ("weight", class_weight))
+               if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError("all tensors must be on one device, got " +
+                         ", ".join(f"{n} on {d}" for n, d in devices.items()))
+
+
+def _compute_dtype(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
+    """The GEMMs' dtype: autocast's when it is on, else the (shared) dtype of input and weight."""
+    device_type = input.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    if input.dtype != weight.dtype:
+        raise TypeError(f"input ({input.dtype}) and linear_weight ({weight.dtype}) must share a dtype "
+                        "outside autocast")
+    if bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(f"linear_bias ({bias.dtype}) and linear_weight ({weight.dtype}) must share a dtype "
+                        "outside autocast")
+    return weight.dtype
+
+
+def _check_and_compact(t: torch.Tensor, valid: torch.Tensor, vocab: int) -> torch.Tensor | None:
+    """Raise on targets outside [0, V); return the valid rows' indices if any row is ignored."""
+    bad = valid & ((t < 0) | (t >= vocab))
+    n_valid, n_bad = torch.stack([valid.sum(), bad.sum()]).tolist()  # the one host sync
+    if n_bad:
+        first = t[bad][0].item()
+        raise ValueError(f"target holds {n_bad} value(s) outside [0, {vocab}) that are not ignore_index "
+                         f"(first: {first})")
+    if n_valid == t.numel():
+        return None
+    return valid.nonzero().squeeze(1)
+
+
+def _reduction_scale(t, valid, class_w, opts: LossOptions, num_items) -> torch.Tensor:
+    """0-d float32 factor that turns the sum of row losses into the reduced loss (0 if nothing counts)."""
+    if num_items is not None:
+        denom = torch.as_tensor(num_items, dtype=torch.float32).to(t.device)
+    elif opts.reduction == "sum":
+        return torch.ones((), dtype=torch.float32, device=t.device)
+    elif class_w is not None:
+        vocab = class_w.numel()
+        keep = t != opts.ignore_index
+        denom = (class_w[t.clamp(0, vocab - 1)] * keep).sum()
+    else:
+        denom = (t != opts.ignore_index).sum().float()
+    return torch.where(denom != 0, 1.0 / denom, torch.zeros_like(denom))
+
+
+def _scatter_rows(values: torch.Tensor, rows: torch.Tensor | None, n: int) -> torch.Tensor:
+    """Place per-valid-row values back at their rows (zeros at ignored rows)."""
+    if rows is None:
+        return values
+    return values.new_zeros(n).index_copy(0, rows, values)
+
+
+def _stats(lse, correct, valid, rows, scale, opts: LossOptions, shape) -> LossStats:
+    num_valid = valid.sum()
+    z_rows = opts.z_loss * lse.detach().square()
+    if scale is None:
+        z = _scatter_rows(z_rows, rows, valid.numel()).reshape(shape)
+    else:
+        z = z_rows.sum() * scale
+    accuracy = correct.sum() / num_valid.clamp(min=1)
+    return LossStats(z_loss=z, accuracy=accuracy, num_valid=num_valid)

@@ -1,0 +1,68 @@
+"""Per-chunk cross-entropy kernels: the Triton kernel and its torch twin, behind one entry point."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..options import LossOptions
+from .ce_torch import ce_chunk_torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def triton_available(device: torch.device) -> bool:
+    """Triton runs on CUDA, and on the CPU only under its interpreter (TRITON_INTERPRET=1)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """'auto' means triton on CUDA and torch elsewhere; an explicit 'triton' must be runnable."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available(device) else "torch"
+    if backend == "triton" and not triton_available(device):
+        raise ValueError(
+            f"backend='triton' cannot run on {device.type} tensors here: it needs CUDA, or "
+            "TRITON_INTERPRET=1 set before flce is imported for the CPU interpreter, and triton installed"
+        )
+    return backend
+
+
+def ce_chunk(
+    backend: str,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    loss: torch.Tensor,
+    lse: torch.Tensor,
+    correct: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor | None,
+    opts: LossOptions,
+) -> None:
+    """Cross-entropy of one chunk of logits, in place.
+
+    Args:
+        logits: (n, V), rows contiguous; overwritten with grad_scale * d loss / d logits when
+            ``grad_scale`` is given (exact zeros on ignored rows).
+        target: (n,) int64. loss, lse: (n,) float32 outputs (0 on ignored rows).
+        correct: (n,) float32 output, 1 where argmax == target, or None to skip.
+        class_weight: (V,) or None; weight_sum: 0-d sum of class_weight (float32) or None.
+        grad_scale: None (loss only), a 0-d scale, or (n,) per-row scales; all float32.
+    """
+    if backend == "triton":
+        from .ce_triton import ce_chunk_triton
+
+        fn = ce_chunk_triton
+    else:
+        fn = ce_chunk_torch
+    fn(logits, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts)

@@ -1,0 +1,186 @@
+"""The cross-entropy kernel: per row, loss and d loss / d logits, written over the logits in place.
+
+One program per row, two passes over the vocabulary in blocks: an online softmax (max, sum of
+exponentials, weighted sum of logits for smoothing, argmax for accuracy), then the gradient. All
+arithmetic is float32 whatever the storage dtype of the logits. Runs on CUDA, and on the CPU under
+``TRITON_INTERPRET=1`` (how CI tests it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..options import LossOptions
+
+
+@triton.jit
+def _tanh(x):
+    # Portable tanh (libdevice is CUDA-only; the interpreter has none): saturates cleanly to +-1.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _logits(raw, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
+    z = raw * inv_temp
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(z / softcap)
+    return z
+
+
+@triton.jit
+def _ce_kernel(
+    logits_ptr,
+    stride_row,
+    target_ptr,
+    class_weight_ptr,
+    weight_sum_ptr,
+    scale_ptr,
+    loss_ptr,
+    lse_ptr,
+    correct_ptr,
+    V,
+    ignore_index,
+    smoothing,
+    z_loss,
+    softcap,
+    inv_temp,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    SCALE_PER_ROW: tl.constexpr,
+    COMPUTE_ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    y = tl.load(target_ptr + row)
+    valid = y != ignore_index
+    y = tl.minimum(tl.maximum(y, 0), V - 1)  # safe index for ignored (or unchecked) targets
+
+    # Pass 1: online logsumexp over V; weighted sum of logits (smoothing); running argmax (stats).
+    m = float("-inf")
+    s = 0.0
+    sum_z = 0.0
+    best = float("-inf")
+    best_idx = 0
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        z_in = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
+        z = tl.where(mask, z_in, float("-inf"))
+        block_max = tl.max(z, 0)
+        m_new = tl.maximum(m, block_max)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that start with -inf logits
+        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)
+        m = m_new
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                sum_z += tl.sum(tl.where(mask, w * z_in, 0.0), 0)
+            else:
+                sum_z += tl.sum(tl.where(mask, z_in, 0.0), 0)
+        if COMPUTE_ACC:
+            block_arg = tl.argmax(z, 0)
+            best_idx = tl.where(block_max > best, start + block_arg, best_idx)
+            best = tl.maximum(best, block_max)
+    lse = m + tl.log(s)
+
+    z_y = _logits(tl.load(row_ptr + y).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)
+    if HAS_WEIGHT:
+        w_y = tl.load(class_weight_ptr + y).to(tl.float32)
+        w_sum = tl.load(weight_sum_ptr).to(tl.float32)
+    else:
+        w_y = 1.0
+        w_sum = V * 1.0
+    loss = (1.0 - smoothing) * w_y * (lse - z_y)
+    if HAS_SMOOTHING:
+        loss += smoothing / V * (w_sum * lse - sum_z)
+    if HAS_Z_LOSS:
+        loss += z_loss * lse * lse
+    tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+    tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
+    if COMPUTE_ACC:
+        tl.store(correct_ptr + row, (valid & (best_idx == y)).to(tl.float32))
+
+    if COMPUTE_GRAD:
+        # Pass 2: dz_j = coef * p_j - (1-eps) w_y [j == y] - eps/V w_j, chained through softcap and
+        # temperature, times the reduction's scale. Ignored rows get exact zeros (not 0 * NaN).
+        coef = (1.0 - smoothing) * w_y
+        if HAS_SMOOTHING:
+            coef += smoothing / V * w_sum
+        if HAS_Z_LOSS:
+            coef += 2.0 * z_loss * lse
+        if SCALE_PER_ROW:
+            scale = tl.load(scale_ptr + row).to(tl.float32)
+        else:
+            scale = tl.load(scale_ptr).to(tl.float32)
+        scale = scale * inv_temp
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            z = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
+            g = coef * tl.exp(z - lse)
+            if HAS_SMOOTHING:
+                if HAS_WEIGHT:
+                    w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                    g -= smoothing / V * w
+                else:
+                    g -= smoothing / V
+            g = tl.where(cols == y, g - (1.0 - smoothing) * w_y, g)
+            if HAS_SOFTCAP:
+                t = z / softcap
+                g = g * (1.0 - t * t)
+            g = tl.where(valid, g * scale, 0.0)
+            tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def ce_chunk_triton(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    loss: torch.Tensor,
+    lse: torch.Tensor,
+    correct: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor | None,
+    opts: LossOptions,
+) -> None:
+    """Launch the kernel on one chunk. See ``kernels.ce_chunk`` for the contract."""
+    n, vocab = logits.shape
+    if n == 0:
+        return
+    assert logits.stride(1) == 1, "logits rows must be contiguous"
+    dummy = loss  # placeholder pointer for disabled features (never read)
+    block_v = min(triton.next_power_of_2(vocab), 4096)
+    _ce_kernel[(n,)](
+        logits,
+        logits.stride(0),
+        target,
+        class_weight if class_weight is not None else dummy,
+        weight_sum if weight_sum is not None else dummy,
+        grad_scale if grad_scale is not None else dummy,
+        loss,
+        lse,
+        correct if correct is not None else dummy,
+        vocab,
+        opts.ignore_index,
+        float(opts.label_smoothing),
+        float(opts.z_loss),
+        float(opts.softcap or 1.0),
+        1.0 / opts.temperature,
+        HAS_WEIGHT=class_weight is not None,
+        HAS_SMOOTHING=opts.label_smoothing > 0.0,
+        HAS_Z_LOSS=opts.z_loss > 0.0,
+        HAS_SOFTCAP=opts.softcap is not None,
+        COMPUTE_GRAD=grad_scale is not None,
+        SCALE_PER_ROW=grad_scale is not None and grad_scale.dim() == 1,
+        COMPUTE_ACC=correct is not None,
+        BLOCK_V=block_v,
+        num_warps=8 if block_v >= 2048 else 4,
+    )

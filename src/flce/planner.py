@@ -1,0 +1,82 @@
+"""Chunk plan: how many rows of logits to materialize at once, and in which dtype to sum grad_weight.
+
+Pure functions of shapes and dtypes, so they can be tested (and reasoned about) without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+# Bytes of one chunk's logits buffer. 512 MiB holds 2048 rows of a 128256-entry bf16 vocabulary.
+DEFAULT_MEMORY_BUDGET = 512 * 2**20
+# Fewest rows per chunk when the budget would allow less: the grad_weight GEMM of a chunk reads and
+# writes the whole (V, H) accumulator, so it needs K = rows of about 1000 (fp32 accumulator) to stay
+# compute-bound on Hopper (intensity ~ rows / 4 FLOP/byte against a ridge of ~200-250).
+MIN_ROWS = 1024
+# Chunk heights are rounded up to this, which keeps GEMM tiles full.
+ROW_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """rows: rows per chunk (the last one may be shorter); accum_dtype: grad_weight accumulator dtype."""
+
+    n_rows: int
+    rows: int
+    accum_dtype: torch.dtype
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.n_rows // self.rows) if self.n_rows else 0
+
+    def bounds(self) -> Iterator[tuple[int, int]]:
+        """(start, end) of each chunk."""
+        for start in range(0, self.n_rows, self.rows):
+            yield start, min(start + self.rows, self.n_rows)
+
+
+def plan_chunks(
+    n_rows: int,
+    vocab: int,
+    compute_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+    *,
+    chunk_size: int | None = None,
+    accum_dtype: torch.dtype | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> ChunkPlan:
+    """Choose chunk rows and the grad_weight accumulator dtype.
+
+    Args:
+        n_rows: tokens (BT). vocab: V. compute_dtype: dtype of the GEMMs and the logits buffer.
+        grad_dtype: dtype the weight gradient is returned in (the weight's).
+        chunk_size: rows per chunk chosen by the user (None: from ``memory_budget``).
+        accum_dtype: accumulator chosen by the user (None: precise by default, see below).
+
+    Default accumulator: with one chunk the weight gradient is a single GEMM, so it is written straight
+    in ``grad_dtype``; with several chunks partial sums are kept in float32 (or wider, if the gradient
+    dtype is wider) so that the result is rounded once, not once per chunk.
+    """
+    if chunk_size is None:
+        rows = max(memory_budget // max(vocab * compute_dtype.itemsize, 1), MIN_ROWS)
+        rows = _balanced(n_rows, rows)
+    else:
+        rows = max(min(chunk_size, n_rows), 1)
+    rows = max(rows, 1)
+    if accum_dtype is None:
+        single = n_rows <= rows
+        accum_dtype = grad_dtype if single or grad_dtype.itemsize >= 4 else torch.float32
+    return ChunkPlan(n_rows=n_rows, rows=rows, accum_dtype=accum_dtype)
+
+
+def _balanced(n_rows: int, max_rows: int) -> int:
+    """Rows per chunk so that chunks are near-equal (no tiny, memory-bound last chunk)."""
+    if n_rows <= max_rows:
+        return max(n_rows, 1)
+    chunks = -(-n_rows // max_rows)
+    rows = -(-n_rows // chunks)
+    aligned = -(-rows // ROW_ALIGN) * ROW_ALIGN
+    return aligned if aligned <= max_rows else rows

@@ -1,0 +1,59 @@
+"""Float64 reference: F.cross_entropy on materialized logits, plus the z-loss term."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+TOL = {  # relative L2 error allowed against float64, by compute dtype
+    torch.float64: 1e-10,
+    torch.float32: 2e-5,
+    torch.float16: 6e-3,
+    torch.bfloat16: 3e-2,
+}
+
+
+def reference_loss(x, weight, target, *, linear_bias=None, weight_cls=None, reduction="mean",
+                   ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
+                   num_items_in_batch=None):
+    """Loss in float64 on float64 copies of the (leaf) inputs; returns (loss, leaves)."""
+    leaves = [None if t is None else t.detach().double().requires_grad_(t.requires_grad)
+              for t in (x, weight, linear_bias)]
+    x64, w64, b64 = leaves
+    logits = x64 @ w64.T
+    if b64 is not None:
+        logits = logits + b64
+    z = logits / temperature
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    vocab = weight.shape[0]
+    z2, t1 = z.reshape(-1, vocab), target.reshape(-1).long()
+    cw = weight_cls.double() if weight_cls is not None else None
+    rows = F.cross_entropy(z2, t1, weight=cw, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                           reduction="none")
+    valid = t1 != ignore_index
+    if z_loss:
+        rows = rows + z_loss * torch.logsumexp(z2, 1).square() * valid
+    if reduction == "none":
+        return rows.reshape(target.shape), leaves
+    total = rows.sum()
+    if num_items_in_batch is not None:
+        return total / float(num_items_in_batch), leaves
+    if reduction == "sum":
+        return total, leaves
+    denom = cw[t1[valid]].sum() if cw is not None else valid.sum().double()
+    return (total / denom if denom != 0 else total * 0.0), leaves
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||a - e|| / ||e|| in float64 (absolute error when ||e|| is 0); NaN anywhere gives inf."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if torch.isnan(a).any():
+        return float("inf")
+    scale = e.norm().item()
+    return (a - e).norm().item() / (scale if scale > 0 else 1.0)
+
+
+def assert_close(actual, expected, tol, what=""):
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"

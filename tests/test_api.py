@@ -1,0 +1,304 @@
+"""flce.linear_cross_entropy against the float64 reference: options, reductions, shapes, backends."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import TOL, assert_close, reference_loss
+
+import flce
+
+OPTION_SETS = {
+    "plain": {},
+    "bias": {"bias": True},
+    "class_weight": {"weight_cls": True},
+    "smoothing": {"label_smoothing": 0.1},
+    "z_loss": {"z_loss": 1e-3},
+    "softcap": {"softcap": 3.0},
+    "temperature": {"temperature": 0.7},
+    "ignore": {"ignore": 0.3},
+    "all": {"bias": True, "weight_cls": True, "label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 4.0,
+            "temperature": 1.3, "ignore": 0.25},
+}
+
+
+def make_case(shape, hidden, vocab, dtype, device, *, bias=False, weight_cls=False, ignore=0.0,
+              ignore_index=-100):
+    """Fresh random leaves; targets with a share of ``ignore`` set to ignore_index."""
+    x = torch.randn(*shape, hidden, device=device).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=device) / hidden**0.5 * 2).to(dtype).requires_grad_()
+    b = (torch.randn(vocab, device=device) * 0.5).to(dtype).requires_grad_() if bias else None
+    t = torch.randint(0, vocab, shape, device=device)
+    if ignore:
+        t[torch.rand(shape, device=device) < ignore] = ignore_index
+    cw = (torch.rand(vocab, device=device) + 0.2) if weight_cls else None
+    return x, w, b, t, cw
+
+
+def check(backend, dtype, device, shape=(37,), hidden=24, vocab=300, reduction="mean", grad_tol=None,
+          **opts):
+    case_keys = {k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts}
+    x, w, b, t, cw = make_case(shape, hidden, vocab, dtype, device, **case_keys,
+                               ignore_index=opts.get("ignore_index", -100))
+    loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, reduction=reduction,
+                                     backend=backend, **opts)
+    opts.pop("chunk_size", None), opts.pop("accum_dtype", None)
+    ref, (x64, w64, b64) = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, reduction=reduction, **opts)
+    tol = TOL[dtype]
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    assert_close(loss, ref, tol, "loss")
+    grad_out = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+    loss.backward(grad_out.to(loss.device, loss.dtype))
+    ref.backward(grad_out.to(ref.device))
+    for name, got, want in (("grad_input", x.grad, x64.grad), ("grad_weight", w.grad, w64.grad),
+                            ("grad_bias", b.grad if b is not None else None, b64.grad if b64 is not None else None)):
+        if want is None:
+            continue
+        assert got.dtype == dtype, name
+        assert_close(got, want, grad_tol or tol, name)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dtypes_and_reductions(backend, device, dtype, reduction):
+    check(backend, dtype, device, reduction=reduction, ignore=0.2, chunk_size=16)
+
+
+@pytest.mark.parametrize("name", list(OPTION_SETS))
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_options(backend, device, name, reduction):
+    check(backend, torch.float32, device, reduction=reduction, chunk_size=8, **dict(OPTION_SETS[name]))
+
+
+def test_all_options_bf16_sum(backend, device):
+    check(backend, torch.bfloat16, device, reduction="sum", chunk_size=5, **dict(OPTION_SETS["all"]))
+
+
+def test_custom_ignore_index(backend, device):
+    check(backend, torch.float32, device, ignore=0.3, ignore_index=7)
+
+
+@pytest.mark.parametrize("shape,hidden,vocab,chunk", [
+    ((1,), 8, 1, None),          # V = 1: loss 0, gradients 0
+    ((1,), 17, 50, None),        # BT = 1, H not a multiple of 16
+    ((50,), 17, 33, 7),          # BT not a multiple of the chunk, many chunks
+    ((3, 5), 12, 40, 4),         # batched leading shape
+    ((2, 1, 3), 9, 20, 2),
+])
+def test_odd_shapes(backend, device, shape, hidden, vocab, chunk):
+    check(backend, torch.float32, device, shape=shape, hidden=hidden, vocab=vocab, chunk_size=chunk,
+          label_smoothing=0.1)
+
+
+def test_large_odd_vocab(backend, device):
+    check(backend, torch.float32, device, shape=(6,), hidden=16, vocab=32003, z_loss=1e-3)
+
+
+def test_num_items_in_batch(backend, device):
+    for red in ("mean", "sum"):
+        check(backend, torch.float32, device, reduction=red, ignore=0.3, num_items_in_batch=11)
+    check(backend, torch.float32, device, ignore=0.3, num_items_in_batch=torch.tensor(11, device=device))
+
+
+def test_accumulator_choices(backend, device):
+    for accum in (torch.float32, torch.bfloat16):
+        check(backend, torch.bfloat16, device, chunk_size=4, accum_dtype=accum)
+
+
+def test_matches_torch_cross_entropy_mean(device):
+    """The reference itself equals torch's own mean reduction (guards the reference)."""
+    x, w, _, t, cw = make_case((40,), 8, 30, torch.float64, device, weight_cls=True, ignore=0.3)
+    ref, _ = reference_loss(x, w, t, weight_cls=cw, label_smoothing=0.15)
+    want = F.cross_entropy(x @ w.T, t, weight=cw.double(), label_smoothing=0.15)
+    assert torch.allclose(ref, want.detach(), rtol=1e-12)
+
+
+def test_non_contiguous_inputs(backend, device):
+    x_big = torch.randn(24, 40, device=device)
+    x = x_big.t()[:, ::2].detach().requires_grad_()  # (40, 12), strided both ways
+    w = torch.randn(60, 24, device=device)[:, ::2].detach().requires_grad_()  # (60, 12)
+    t = torch.randint(0, 60, (80,), device=device)[::2]
+    loss = flce.linear_cross_entropy(x, w, t, backend=backend, chunk_size=16)
+    loss.backward()
+    ref, (x64, w64, _) = reference_loss(x, w, t)
+    ref.backward()
+    assert_close(loss, ref, 1e-5, "loss")
+    assert_close(x.grad, x64.grad, 1e-5, "grad_input")
+    assert_close(w.grad, w64.grad, 1e-5, "grad_weight")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("n_tokens", [0, 5])
+def test_nothing_to_count_is_zero_not_nan(backend, device, reduction, n_tokens):
+    x = torch.randn(n_tokens, 8, device=device, requires_grad=True)
+    w = torch.randn(20, 8, device=device, requires_grad=True)
+    t = torch.full((n_tokens,), -100, device=device)
+    loss = flce.linear_cross_entropy(x, w, t, reduction=reduction, backend=backend)
+    assert loss.shape == ((n_tokens,) if reduction == "none" else ())
+    assert torch.all(loss == 0)
+    loss.sum().backward()
+    assert x.grad is not None and torch.all(x.grad == 0)
+    assert w.grad is not None and torch.all(w.grad == 0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_and_inf_propagate(backend, device, bad):
+    x = torch.randn(6, 8, device=device, requires_grad=True)
+    w = torch.randn(20, 8, device=device)
+    with torch.no_grad():
+        x[2, 3] = bad
+    t = torch.randint(0, 20, (6,), device=device)
+    rows = flce.linear_cross_entropy(x, w, t, reduction="none", backend=backend)
+    assert torch.isnan(rows[2]) and torch.isfinite(rows[[0, 1, 3, 4, 5]]).all()
+    assert torch.isnan(flce.linear_cross_entropy(x, w, t, backend=backend))
+
+
+def test_ignored_rows_with_nan_do_not_leak(backend, device):
+    """An ignored row's NaN stays out of the loss and grad_input; validation also drops the row before
+    the grad_weight GEMM (without it, 0 * NaN reaches grad_weight, as in eager PyTorch)."""
+    x = torch.randn(6, 8, device=device, requires_grad=True)
+    w = torch.randn(20, 8, device=device, requires_grad=True)
+    with torch.no_grad():
+        x[2] = float("nan")
+    t = torch.randint(0, 20, (6,), device=device)
+    t[2] = -100
+    for validate in (True, False):
+        x.grad = w.grad = None
+        loss = flce.linear_cross_entropy(x, w, t, backend=backend, validate_target=validate)
+        loss.backward()
+        assert torch.isfinite(loss), validate
+        assert torch.all(x.grad[2] == 0) and torch.isfinite(x.grad).all(), validate
+        assert torch.isfinite(w.grad).all() == validate
+
+
+def test_validate_target_false_is_the_same_function(backend, device):
+    x, w, b, t, cw = make_case((30,), 16, 50, torch.float32, device, bias=True, weight_cls=True, ignore=0.3)
+    results = []
+    for validate in (True, False):
+        for p in (x, w, b):
+            p.grad = None
+        loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, label_smoothing=0.1,
+                                         backend=backend, validate_target=validate, chunk_size=8)
+        loss.backward()
+        results.append([loss.detach(), x.grad.clone(), w.grad.clone(), b.grad.clone()])
+    for a, c in zip(*results):
+        assert_close(a, c, 1e-6)
+
+
+def test_return_stats(backend, device):
+    x, w, _, t, _ = make_case((40,), 16, 30, torch.float32, device, ignore=0.25)
+    t[:5] = (x[:5].detach() @ w.detach().T).argmax(1)  # some sure hits
+    loss, stats = flce.linear_cross_entropy(x, w, t, z_loss=1e-2, return_stats=True, backend=backend,
+                                            chunk_size=16)
+    logits = (x @ w.T).detach().double()
+    valid = t != -100
+    lse = torch.logsumexp(logits, 1)
+    assert stats.num_valid.item() == valid.sum().item()
+    acc = ((logits.argmax(1) == t) & valid).sum() / valid.sum()
+    assert stats.accuracy.item() == pytest.approx(acc.item(), abs=1e-6)
+    z_ref = (1e-2 * lse.square() * valid).sum() / valid.sum()
+    assert stats.z_loss.item() == pytest.approx(z_ref.item(), rel=1e-5)
+    assert not stats.z_loss.requires_grad
+    rows, stats_none = flce.linear_cross_entropy(x, w, t, z_loss=1e-2, reduction="none", return_stats=True,
+                                                 backend=backend)
+    assert stats_none.z_loss.shape == t.shape
+    assert torch.allclose(stats_none.z_loss.double(), 1e-2 * lse.square() * valid, rtol=1e-5)
+
+
+def test_second_backward_raises_clearly(backend, device):
+    x, w, _, t, _ = make_case((10,), 8, 20, torch.float32, device)
+    loss = flce.linear_cross_entropy(x, w, t, backend=backend)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_second_backward_with_reduction_none_recomputes(backend, device):
+    x, w, _, t, _ = make_case((10,), 8, 20, torch.float32, device)
+    rows = flce.linear_cross_entropy(x, w, t, reduction="none", backend=backend)
+    g = torch.randn_like(rows)
+    rows.backward(g, retain_graph=True)
+    first = x.grad.clone()
+    rows.backward(g)
+    assert torch.allclose(x.grad, 2 * first, rtol=1e-5, atol=1e-7)
+
+
+def test_skips_gradients_nobody_needs(backend, device, monkeypatch):
+    import flce.function as fn
+
+    calls = []
+    real = fn.mm_into
+    monkeypatch.setattr(fn, "mm_into", lambda out, a, b, accumulate: calls.append(out.shape) or real(out, a, b, accumulate=accumulate))
+    x, w, _, t, _ = make_case((12,), 8, 20, torch.float32, device)
+    w.requires_grad_(False)
+    flce.linear_cross_entropy(x, w, t, backend=backend, chunk_size=4).backward()
+    assert w.grad is None and x.grad is not None
+    assert calls and all(s[1] == 8 and s[0] <= 4 for s in calls)  # grad_input slices only
+    calls.clear()
+    x2 = x.detach()
+    w.requires_grad_(True)
+    flce.linear_cross_entropy(x2, w, t, backend=backend, chunk_size=4).backward()
+    assert calls and all(tuple(s) == (20, 8) for s in calls)  # grad_weight only
+    calls.clear()
+    with torch.no_grad():
+        flce.linear_cross_entropy(x, w, t, backend=backend)
+    assert not calls
+
+
+def test_autocast_bf16_with_fp32_master_weights(backend, device):
+    x, w, b, t, _ = make_case((33,), 16, 40, torch.float32, device, bias=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, backend=backend, chunk_size=8)
+    loss.backward()
+    ref, (x64, w64, b64) = reference_loss(x, w, t, linear_bias=b)
+    ref.backward()
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+    assert_close(loss, ref, 3e-2, "loss")
+    assert_close(x.grad, x64.grad, 3e-2, "grad_input")
+    assert_close(w.grad, w64.grad, 3e-2, "grad_weight")
+    assert_close(b.grad, b64.grad, 3e-2, "grad_bias")
+
+
+def test_module_form(backend, device):
+    x, w, b, t, _ = make_case((9,), 8, 20, torch.float32, device, bias=True)
+    mod = flce.LinearCrossEntropyLoss(label_smoothing=0.1, backend=backend)
+    loss = mod(x, w, t, b)
+    ref, _ = reference_loss(x, w, t, linear_bias=b, label_smoothing=0.1)
+    assert_close(loss, ref, 1e-5)
+    assert "label_smoothing=0.1" in repr(mod)
+
+
+def test_same_call_as_torch_native():
+    """Positional arguments and shared keywords mean what torch's own linear_cross_entropy means."""
+    native = getattr(F, "linear_cross_entropy", None)
+    if native is None:
+        pytest.skip("this torch has no F.linear_cross_entropy")
+    x, w, b, t, cw = make_case((21,), 8, 30, torch.float32, torch.device("cpu"), bias=True, weight_cls=True,
+                               ignore=0.2)
+    for red in ("mean", "sum", "none"):
+        kw = dict(linear_bias=b, weight=cw, reduction=red, ignore_index=-100, label_smoothing=0.1)
+        assert torch.allclose(flce.linear_cross_entropy(x, w, t, **kw), native(x, w, t, **kw), rtol=1e-5,
+                              atol=1e-6)
+
+
+def test_inside_torch_compile_training_step(device):
+    """A compiled step with the fused loss gives the eager step's result (a graph break is fine)."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(12, 40, bias=False, device=device)
+    proj = torch.nn.Linear(12, 12, device=device)
+    x = torch.randn(16, 12, device=device)
+    t = torch.randint(0, 40, (16,), device=device)
+
+    def step(x, t):
+        h = torch.tanh(proj(x))
+        loss = flce.linear_cross_entropy(h, head.weight, t, z_loss=1e-3)
+        loss.backward()
+        return loss.detach()
+
+    eager = step(x, t)
+    eager_grads = [p.grad.clone() for p in (head.weight, proj.weight)]
+    for p in (head.weight, proj.weight, proj.bias):
+        p.grad = None
+    compiled = torch.compile(step, backend="aot_eager")(x, t)
+    assert torch.allclose(compiled, eager, rtol=1e-5)
+    for p, g in zip((head.weight, proj.weight), eager_grads):
+        assert torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6)
