@@ -57,3 +57,28 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def assert_close(actual, expected, tol, what=""):
     err = rel_err(actual, expected)
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
+
+
+def chunked_reference_grads(x, weight, target, chunk=1024):
+    """Mean cross-entropy and its (grad_input, grad_weight) in float64, chunk by chunk (GPU-sized shapes).
+
+    x: (n, H), weight: (V, H), target: (n,) with no ignored rows.
+    """
+    n = x.shape[0]
+    w64 = weight.double()
+    grad_w = torch.zeros_like(w64)
+    grad_x = torch.empty(x.shape, dtype=torch.float64, device=x.device)
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for start in range(0, n, chunk):
+        x_c = x[start:start + chunk].double()
+        t_c = target[start:start + chunk]
+        logits = x_c @ w64.T
+        lse = torch.logsumexp(logits, 1)
+        total += (lse - logits.gather(1, t_c[:, None])[:, 0]).sum()
+        logits.sub_(lse[:, None]).exp_()
+        logits[torch.arange(len(t_c), device=x.device), t_c] -= 1.0
+        logits /= n
+        grad_x[start:start + chunk] = logits @ w64
+        grad_w.addmm_(logits.T, x_c)
+        del logits
+    return total / n, grad_x, grad_w

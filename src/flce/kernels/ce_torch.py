@@ -32,7 +32,10 @@ def ce_chunk_torch(
         z = cap * torch.tanh(z / cap)
     valid = target != opts.ignore_index
     y = target.clamp(0, vocab - 1)
-    row_lse = torch.logsumexp(z, dim=1)
+    # As the kernel computes it (not torch.logsumexp): a +inf logit gives NaN, never a finite or inf loss.
+    m = z.amax(1)
+    m_ref = torch.where(m == float("-inf"), 0.0, m)
+    row_lse = m + torch.exp(z - m_ref[:, None]).sum(1).log()
     z_y = z.gather(1, y[:, None])[:, 0]
     w = class_weight.float() if class_weight is not None else None
     w_y = w[y] if w is not None else torch.ones_like(z_y)

@@ -1,0 +1,43 @@
+"""mm_into: write or accumulate into a (possibly wider) output; the out_dtype path and its fallback."""
+
+import pytest
+import torch
+from reference import rel_err
+
+from flce import gemm
+
+
+@pytest.mark.parametrize("force_fallback", [False, True])
+@pytest.mark.parametrize("out_dtype,op_dtype", [
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float32),
+])
+def test_mm_into_matches_float64(device, monkeypatch, force_fallback, out_dtype, op_dtype):
+    monkeypatch.setattr(gemm, "FORCE_FALLBACK", force_fallback)
+    a1, b1, a2, b2 = (torch.randn(s, device=device).to(op_dtype) for s in ((33, 70), (70, 19), (33, 50), (50, 19)))
+    out = torch.full((33, 19), float("nan"), dtype=out_dtype, device=device)  # poisoned: must be overwritten
+    gemm.mm_into(out, a1, b1, accumulate=False)
+    gemm.mm_into(out, a2, b2, accumulate=True)
+    want = a1.double() @ b1.double() + a2.double() @ b2.double()
+    tol = 1e-5 if op_dtype == out_dtype == torch.float32 else 1e-2
+    assert out.dtype == out_dtype
+    assert rel_err(out, want) < tol
+
+
+def test_fallback_is_used_where_out_dtype_is_missing():
+    """CPU torch has no mm(out_dtype=...): the probe says so and the upcast path still accumulates in fp32."""
+    cpu = torch.device("cpu")
+    assert not gemm.supports_out_dtype(cpu)
+    a = torch.randn(64, 512).bfloat16()
+    b = torch.randn(512, 8).bfloat16()
+    acc = torch.zeros(64, 8)
+    for _ in range(4):
+        gemm.mm_into(acc, a, b, accumulate=True)
+    exact = 4 * (a.double() @ b.double())
+    # Rounding each partial product to bf16 first would be ~1e-3 off; fp32 accumulation is ~1e-7.
+    assert rel_err(acc, exact) < 1e-5
+
+
+@pytest.mark.gpu
+def test_out_dtype_available_on_cuda():
+    assert gemm.supports_out_dtype(torch.device("cuda"))

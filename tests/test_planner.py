@@ -1,0 +1,66 @@
+"""The chunk planner is a pure function: rows from the memory budget, accumulator from the chunk count."""
+
+import pytest
+import torch
+
+from flce.planner import DEFAULT_MEMORY_BUDGET, MIN_ROWS, ROW_ALIGN, plan_chunks
+
+
+def covered(plan):
+    rows = [end - start for start, end in plan.bounds()]
+    return sum(rows), rows
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 1000, 8192, 8193, 32768, 100_003])
+@pytest.mark.parametrize("vocab", [1, 32000, 128256, 256000])
+def test_chunks_cover_every_row_once(n, vocab):
+    plan = plan_chunks(n, vocab, torch.bfloat16, torch.bfloat16)
+    total, rows = covered(plan)
+    assert total == n and len(rows) == plan.num_chunks
+    assert all(r > 0 for r in rows)
+
+
+def test_budget_sets_rows_for_llama3_head():
+    plan = plan_chunks(8192, 128256, torch.bfloat16, torch.bfloat16)
+    assert plan.rows * 128256 * 2 <= DEFAULT_MEMORY_BUDGET
+    assert plan.rows >= MIN_ROWS and plan.rows % ROW_ALIGN == 0
+    assert plan.num_chunks == 8192 // plan.rows
+
+
+def test_chunks_are_balanced():
+    plan = plan_chunks(8193, 128256, torch.bfloat16, torch.bfloat16)
+    _, rows = covered(plan)
+    assert max(rows) - min(rows) <= ROW_ALIGN  # no tiny memory-bound last chunk
+
+
+def test_min_rows_keeps_grad_weight_gemm_compute_bound():
+    plan = plan_chunks(65536, 1_000_000, torch.float32, torch.float32)
+    assert plan.rows >= MIN_ROWS
+
+
+def test_small_batch_is_one_chunk_in_weight_dtype():
+    for n in (1, 16, 64, 256):
+        plan = plan_chunks(n, 128256, torch.bfloat16, torch.bfloat16)
+        assert plan.num_chunks == 1 and plan.rows == n
+        assert plan.accum_dtype == torch.bfloat16  # one GEMM: rounded once anyway
+
+
+def test_several_chunks_accumulate_in_fp32():
+    plan = plan_chunks(32768, 128256, torch.bfloat16, torch.bfloat16)
+    assert plan.num_chunks > 1 and plan.accum_dtype == torch.float32
+    plan = plan_chunks(32768, 128256, torch.float16, torch.float16)
+    assert plan.accum_dtype == torch.float32
+    plan = plan_chunks(32768, 128256, torch.bfloat16, torch.float32)  # autocast, fp32 master weight
+    assert plan.accum_dtype == torch.float32
+
+
+def test_user_choices_win():
+    plan = plan_chunks(1000, 50, torch.bfloat16, torch.bfloat16, chunk_size=64, accum_dtype=torch.bfloat16)
+    assert plan.rows == 64 and plan.accum_dtype == torch.bfloat16 and plan.num_chunks == 16
+    assert plan_chunks(10, 50, torch.float32, torch.float32, chunk_size=64).rows == 10
+
+
+def test_smaller_budget_gives_smaller_chunks():
+    big = plan_chunks(32768, 128256, torch.bfloat16, torch.bfloat16)
+    small = plan_chunks(32768, 128256, torch.bfloat16, torch.bfloat16, memory_budget=DEFAULT_MEMORY_BUDGET // 8)
+    assert small.rows <= big.rows
