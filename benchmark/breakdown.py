@@ -48,6 +48,10 @@ def stages(bt, hidden, vocab, dtype=torch.bfloat16):
         x.grad = w.grad = None
         flce.linear_cross_entropy(x, w, t).backward()
 
+    def unchecked_step():  # no host sync: validate_target=False
+        x.grad = w.grad = None
+        flce.linear_cross_entropy(x, w, t, validate_target=False).backward()
+
     big = torch.empty(bt, vocab, device=dev, dtype=dtype) if bt * vocab * 2 < 12e9 else None
 
     def floor():
@@ -85,6 +89,12 @@ def stages(bt, hidden, vocab, dtype=torch.bfloat16):
     out["floor_ms"] = median_ms(floor) if big is not None else float("nan")
     del big
     out["flce_ms"] = median_ms(flce_step)
+    out["flce_unchecked_ms"] = median_ms(unchecked_step)
+    if plan.num_chunks > 1:  # what twice the chunk height (and buffer memory) would buy
+        def wide_step():
+            x.grad = w.grad = None
+            flce.linear_cross_entropy(x, w, t, chunk_size=2 * rows).backward()
+        out["flce_2x_chunk_ms"] = median_ms(wide_step)
     out["gemms_chunked_ms"] = median_ms(gemms_only)
     buf.normal_()
     out["ce_kernel_ms"] = median_ms(ce_only)
@@ -103,11 +113,42 @@ def stages(bt, hidden, vocab, dtype=torch.bfloat16):
     return out
 
 
+def profile(bt, hidden, vocab, dtype=torch.bfloat16):
+    """Kernel-by-kernel CUDA time of one flce step, and the host time of the call."""
+    import time
+
+    dev = torch.device("cuda")
+    x = torch.randn(bt, hidden, device=dev, dtype=dtype, requires_grad=True)
+    w = (torch.randn(vocab, hidden, device=dev) * hidden**-0.5).to(dtype).requires_grad_()
+    t = torch.randint(0, vocab, (bt,), device=dev)
+
+    def step():
+        x.grad = w.grad = None
+        flce.linear_cross_entropy(x, w, t).backward()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    print(f"host time of one step at {bt}x{hidden}x{vocab}: {host * 1e3:.2f} ms (returns before the GPU ends)")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+
+
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--profile", default="", help="shape to profile with torch.profiler, e.g. 1024x4096x128256")
     p.add_argument("--shapes", default="8192x4096x128256,1024x4096x128256,32768x4096x128256,8192x2048x32000,"
                                        "1x4096x128256,16x4096x128256,64x4096x128256,256x4096x128256")
     args = p.parse_args()
+    if args.profile:
+        profile(*map(int, args.profile.split("x")))
     rows = []
     for spec in args.shapes.split(","):
         bt, h, v = map(int, spec.split("x"))
@@ -118,11 +159,12 @@ def main():
     os.makedirs(outdir, exist_ok=True)
     with open(os.path.join(outdir, "breakdown.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
-    keys = ["shape", "chunks", "floor_ms", "flce_ms", "flce_over_floor", "gemms_chunked_ms", "ce_kernel_ms",
+    keys = ["shape", "chunks", "floor_ms", "flce_ms", "flce_unchecked_ms", "flce_2x_chunk_ms", "flce_over_floor", "gemms_chunked_ms", "ce_kernel_ms",
             "ce_kernel_GBps", "flce_peak_extra_GB", "eager_ms"]
     print(" | ".join(keys))
     for r in rows:
-        print(" | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+        print(" | ".join(f"{r.get(k, float('nan')):.3f}" if isinstance(r.get(k, 0.0), float) else str(r[k])
+                         for k in keys))
 
 
 if __name__ == "__main__":

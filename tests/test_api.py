@@ -153,21 +153,23 @@ def test_nan_and_inf_propagate(backend, device, bad):
 
 
 def test_ignored_rows_with_nan_do_not_leak(backend, device):
-    """An ignored row's NaN stays out of the loss and grad_input; validation also drops the row before
-    the grad_weight GEMM (without it, 0 * NaN reaches grad_weight, as in eager PyTorch)."""
-    x = torch.randn(6, 8, device=device, requires_grad=True)
-    w = torch.randn(20, 8, device=device, requires_grad=True)
-    with torch.no_grad():
-        x[2] = float("nan")
-    t = torch.randint(0, 20, (6,), device=device)
-    t[2] = -100
-    for validate in (True, False):
-        x.grad = w.grad = None
+    """An ignored row's NaN stays out of the loss and grad_input. From COMPACT_MIN_ROWS tokens on,
+    validation also drops the row before the grad_weight GEMM; otherwise 0 * NaN reaches grad_weight,
+    as in eager PyTorch."""
+    from flce.api import COMPACT_MIN_ROWS
+
+    for n, validate in ((COMPACT_MIN_ROWS + 6, True), (COMPACT_MIN_ROWS + 6, False), (6, True)):
+        x = torch.randn(n, 8, device=device, requires_grad=True)
+        w = torch.randn(20, 8, device=device, requires_grad=True)
+        with torch.no_grad():
+            x[2] = float("nan")
+        t = torch.randint(0, 20, (n,), device=device)
+        t[2] = -100
         loss = flce.linear_cross_entropy(x, w, t, backend=backend, validate_target=validate)
         loss.backward()
-        assert torch.isfinite(loss), validate
-        assert torch.all(x.grad[2] == 0) and torch.isfinite(x.grad).all(), validate
-        assert torch.isfinite(w.grad).all() == validate
+        assert torch.isfinite(loss), (n, validate)
+        assert torch.all(x.grad[2] == 0) and torch.isfinite(x.grad).all(), (n, validate)
+        assert torch.isfinite(w.grad).all() == (validate and n >= COMPACT_MIN_ROWS), (n, validate)
 
 
 def test_validate_target_false_is_the_same_function(backend, device):

@@ -72,3 +72,14 @@ def test_triton_on_cpu_without_interpreter(monkeypatch, args):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         flce.linear_cross_entropy(*args, backend="triton")
+
+
+@pytest.mark.parametrize("n", [6, 2000])  # asynchronous check below COMPACT_MIN_ROWS, early sync above
+def test_bad_targets_raise_for_small_and_large_batches(n):
+    x = torch.randn(n, 8, requires_grad=True)
+    w = torch.randn(20, 8, requires_grad=True)
+    t = torch.randint(0, 20, (n,))
+    t[n // 2] = 25
+    with pytest.raises(ValueError, match=r"1 value\(s\) outside \[0, 20\).*first: 25"):
+        flce.linear_cross_entropy(x, w, t)
+    assert x.grad is None and w.grad is None

@@ -82,10 +82,13 @@ def linear_cross_entropy(
     t = target.reshape(-1).long().contiguous()
     valid = t != ignore_index
     rows = None  # indices of the valid rows, when ignored rows are dropped
-    if validate_target and t.numel():
+    pending = None
+    if validate_target and t.numel() >= COMPACT_MIN_ROWS:
         rows = _check_and_compact(t, valid, vocab)
         if rows is not None:
             x, t = x.index_select(0, rows), t.index_select(0, rows)
+    elif validate_target and t.numel():
+        pending = _TargetCheck(t, valid, vocab)
 
     class_w = weight.float().contiguous() if weight is not None else None
     weight_sum = class_w.sum() if class_w is not None else None
@@ -103,6 +106,8 @@ def linear_cross_entropy(
         loss = parts.loss if scale is None else parts.loss.sum() * scale
         lse, correct = parts.lse, parts.correct
 
+    if pending is not None:
+        pending.raise_if_bad()
     if reduction == "none":
         loss = _scatter_rows(loss, rows, valid.numel()).reshape(target.shape)
     if not return_stats:
@@ -176,14 +181,43 @@ def _compute_dtype(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return weight.dtype
 
 
+# Below this many tokens the GEMMs are passes over the weight whatever the row count, so dropping
+# ignored rows saves nothing; the target check then runs asynchronously instead of as an early sync.
+COMPACT_MIN_ROWS = 1024
+
+
+class _TargetCheck:
+    """Range check copied to the host in the background, read after the forward kernels are queued."""
+
+    def __init__(self, t: torch.Tensor, valid: torch.Tensor, vocab: int) -> None:
+        self.t, self.vocab = t, vocab
+        self.bad = valid & ((t < 0) | (t >= vocab))
+        count = self.bad.sum()
+        self.host = torch.empty((), dtype=count.dtype, pin_memory=t.is_cuda)
+        self.host.copy_(count, non_blocking=True)
+        self.event = torch.cuda.Event() if t.is_cuda else None
+        if self.event is not None:
+            self.event.record()
+
+    def raise_if_bad(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        if self.host.item():
+            _raise_bad_targets(self.t, self.bad, self.vocab, self.host.item())
+
+
+def _raise_bad_targets(t, bad, vocab, n_bad):
+    first = t[bad][0].item()
+    raise ValueError(f"target holds {n_bad} value(s) outside [0, {vocab}) that are not ignore_index "
+                     f"(first: {first})")
+
+
 def _check_and_compact(t: torch.Tensor, valid: torch.Tensor, vocab: int) -> torch.Tensor | None:
     """Raise on targets outside [0, V); return the valid rows' indices if any row is ignored."""
     bad = valid & ((t < 0) | (t >= vocab))
     n_valid, n_bad = torch.stack([valid.sum(), bad.sum()]).tolist()  # the one host sync
     if n_bad:
-        first = t[bad][0].item()
-        raise ValueError(f"target holds {n_bad} value(s) outside [0, {vocab}) that are not ignore_index "
-                         f"(first: {first})")
+        _raise_bad_targets(t, bad, vocab, n_bad)
     if n_valid == t.numel():
         return None
     return valid.nonzero().squeeze(1)

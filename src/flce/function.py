@@ -2,8 +2,11 @@
 
 Forward, per chunk of rows: logits = x_c @ W^T (+ b) into one reused buffer; the CE kernel writes the
 loss and overwrites the logits with their gradient; then grad_input rows = dlogits @ W and
-grad_weight += dlogits^T @ x_c. Backward only multiplies by grad_output. For reduction="none" the
-per-row grad_output is only known in backward, so there the loop runs again (logits recomputed).
+grad_weight += dlogits^T @ x_c. Backward only multiplies by grad_output.
+
+Two exceptions. With a single chunk (small batches) the two gradient GEMMs wait for backward, where
+grad_output scales the small operand x_c instead of a whole (V, H) gradient afterwards. With
+reduction="none" the per-row grad_output is only known in backward, so there the loop runs again.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from .gemm import mm_into
 from .kernels import ce_chunk
+from .kernels.scale import scale_into
 from .options import LossOptions
 from .planner import ChunkPlan
 
@@ -36,6 +40,25 @@ class LossParts:
     correct: torch.Tensor | None
 
 
+@dataclass
+class PendingGrads:
+    """A single chunk's d loss / d logits (n, V) and GEMM operands, kept for backward's two GEMMs."""
+
+    dlogits: torch.Tensor
+    x: torch.Tensor  # (n, H) in the compute dtype
+    w: torch.Tensor  # (V, H) in the compute dtype
+
+
+def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool) -> None:
+    """grad_input[rows] = dl @ w; grad_weight (+)= dl^T @ x_c; grad_bias += dl summed over rows."""
+    if grads.input is not None:
+        mm_into(grads.input[rows], dl, w, accumulate=False)
+    if grads.weight is not None:
+        mm_into(grads.weight, dl.t(), x_c, accumulate=accumulate)
+    if grads.bias is not None:
+        grads.bias += dl.sum(0, dtype=torch.float32)
+
+
 def chunk_loop(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -50,10 +73,12 @@ def chunk_loop(
     compute_dtype: torch.dtype,
     backend: str,
     want_correct: bool = False,
-) -> tuple[LossParts, ChunkGrads]:
+    defer: bool = False,
+) -> tuple[LossParts, ChunkGrads | PendingGrads]:
     """Run every chunk; gradients for ``needs`` = (input, weight, bias) when ``grad_scale`` is given.
 
-    x: (n, H); weight: (V, H); bias: (V,) or None; target: (n,) int64.
+    x: (n, H); weight: (V, H); bias: (V,) or None; target: (n,) int64. ``defer`` (single chunk only)
+    returns the chunk's dlogits instead of running the gradient GEMMs.
     """
     n, hidden = x.shape
     vocab = weight.shape[0]
@@ -61,6 +86,7 @@ def chunk_loop(
     w = weight.to(compute_dtype)  # no copy unless autocast asks for a narrower dtype
     grad = grad_scale is not None
     need_x, need_w, need_b = (grad and k for k in needs)
+    defer = defer and grad and plan.num_chunks == 1
 
     parts = LossParts(
         loss=torch.empty(n, dtype=torch.float32, device=dev),
@@ -68,9 +94,9 @@ def chunk_loop(
         correct=torch.empty(n, dtype=torch.float32, device=dev) if want_correct else None,
     )
     grads = ChunkGrads(
-        input=torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None,
-        weight=torch.empty(vocab, hidden, dtype=plan.accum_dtype, device=dev) if need_w else None,
-        bias=torch.zeros(vocab, dtype=torch.float32, device=dev) if need_b else None,
+        input=torch.empty_like(x, memory_format=torch.contiguous_format) if need_x and not defer else None,
+        weight=torch.empty(vocab, hidden, dtype=plan.accum_dtype, device=dev) if need_w and not defer else None,
+        bias=torch.zeros(vocab, dtype=torch.float32, device=dev) if need_b and not defer else None,
     )
     if n == 0:
         if grads.weight is not None:
@@ -84,35 +110,37 @@ def chunk_loop(
         torch.mm(x_c, w.t(), out=logits)
         if bias is not None:
             logits.add_(bias)
-        scale = grad_scale[start:end] if grad and grad_scale.dim() == 1 else grad_scale
-        ce_chunk(
-            backend,
-            logits,
-            target[start:end],
-            parts.loss[start:end],
-            parts.lse[start:end],
-            parts.correct[start:end] if want_correct else None,
-            class_weight,
-            weight_sum,
-            scale if grad else None,
-            opts,
-        )
-        if need_x:
-            mm_into(grads.input[start:end], logits, w, accumulate=False)
-        if need_w:
-            mm_into(grads.weight, logits.t(), x_c, accumulate=i > 0)
-        if need_b:
-            grads.bias += logits.sum(0, dtype=torch.float32)
+        rows = slice(start, end)
+        scale = grad_scale[rows] if grad and grad_scale.dim() == 1 else grad_scale
+        ce_chunk(backend, logits, target[rows], parts.loss[rows], parts.lse[rows],
+                 parts.correct[rows] if want_correct else None, class_weight, weight_sum,
+                 scale if grad else None, opts)
+        if defer:
+            return parts, PendingGrads(dlogits=logits, x=x_c, w=w)
+        gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0)
     return parts, grads
 
 
-def scale_grad(g: torch.Tensor | None, grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """g * grad_output in ``dtype``: in place when the dtypes agree, else fused with the cast."""
-    if g is None:
-        return None
-    if g.dtype == dtype:
-        return g.mul_(grad_output)
-    return torch.mul(g, grad_output, out=torch.empty(g.shape, dtype=dtype, device=g.device))
+def finish_pending(p: PendingGrads, g: torch.Tensor, needs, dtypes, backend) -> ChunkGrads:
+    """Backward of a single-chunk forward: the two GEMMs, with grad_output folded into x_c."""
+    x_dtype, w_dtype, b_dtype = dtypes
+    grads = ChunkGrads(None, None, None)
+    if needs[0]:
+        grads.input = torch.empty(p.x.shape, dtype=x_dtype, device=p.x.device)
+        mm_into(grads.input, p.dlogits, p.w, accumulate=False)
+        scale_into(grads.input, g, x_dtype, backend)
+    if needs[1]:
+        grads.weight = torch.empty(p.w.shape, dtype=w_dtype, device=p.w.device)
+        mm_into(grads.weight, p.dlogits.t(), p.x * g.to(p.x.dtype), accumulate=False)
+    if needs[2]:
+        grads.bias = (p.dlogits.sum(0, dtype=torch.float32) * g).to(b_dtype)
+    return grads
+
+
+def scale_grad(g: torch.Tensor | None, grad_output: torch.Tensor, dtype: torch.dtype,
+               backend: str = "torch") -> torch.Tensor | None:
+    """g * grad_output in ``dtype`` (in place when the dtypes agree); None stays None."""
+    return None if g is None else scale_into(g, grad_output, dtype, backend)
 
 
 _CONSUMED = (
@@ -134,9 +162,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         parts, grads = chunk_loop(
             x, weight, bias, target, class_weight, weight_sum,
             None if per_row else grad_scale, needs, opts, plan, compute_dtype, backend, want_correct,
+            defer=True,
         )
-        ctx.meta = (opts, plan, compute_dtype, backend, x.dtype, weight.dtype,
-                    bias.dtype if bias is not None else None)
+        ctx.meta = (opts, plan, compute_dtype, backend, needs,
+                    (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
         if per_row:  # reduction="none": keep the inputs, recompute in backward
             ctx.save_for_backward(x, weight, bias, target, class_weight, weight_sum)
             loss = parts.loss
@@ -149,23 +178,19 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse, _grad_correct):
-        opts, plan, compute_dtype, backend, x_dtype, w_dtype, b_dtype = ctx.meta
+        opts, plan, compute_dtype, backend, needs, dtypes = ctx.meta
+        g = grad_loss.float()
         if hasattr(ctx, "grads"):
-            grads = ctx.grads
+            grads, ctx.grads = ctx.grads, None
             if grads is None:
                 raise RuntimeError(_CONSUMED)
-            ctx.grads = None
-            g = grad_loss.float()
+            if isinstance(grads, PendingGrads):
+                grads = finish_pending(grads, g, needs, dtypes, backend)
+                return grads.input, grads.weight, grads.bias, *([None] * 9)
         else:
             x, weight, bias, target, class_weight, weight_sum = ctx.saved_tensors
-            _, grads = chunk_loop(
-                x, weight, bias, target, class_weight, weight_sum, grad_loss.float().contiguous(),
-                tuple(ctx.needs_input_grad[:3]), opts, plan, compute_dtype, backend,
-            )
-            g = torch.ones((), dtype=torch.float32, device=grad_loss.device)
-        return (
-            scale_grad(grads.input, g, x_dtype),
-            scale_grad(grads.weight, g, w_dtype),
-            scale_grad(grads.bias, g, b_dtype) if b_dtype is not None else None,
-            None, None, None, None, None, None, None, None, None,
-        )
+            _, grads = chunk_loop(x, weight, bias, target, class_weight, weight_sum, g.contiguous(), needs,
+                                  opts, plan, compute_dtype, backend)
+            g = torch.ones((), dtype=torch.float32, device=g.device)
+        out = [scale_grad(t, g, dt, backend) for t, dt in zip((grads.input, grads.weight, grads.bias), dtypes)]
+        return *out, *([None] * 9)

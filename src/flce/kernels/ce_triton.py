@@ -8,6 +8,9 @@ arithmetic is float32 whatever the storage dtype of the logits. Runs on CUDA, an
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +43,7 @@ def _ce_kernel(
     loss_ptr,
     lse_ptr,
     correct_ptr,
+    n_rows,
     V,
     ignore_index,
     smoothing,
@@ -55,89 +59,109 @@ def _ce_kernel(
     COMPUTE_ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
-    y = tl.load(target_ptr + row)
-    valid = y != ignore_index
-    y = tl.minimum(tl.maximum(y, 0), V - 1)  # safe index for ignored (or unchecked) targets
+    # Each program takes rows round-robin, so one launch serves any chunk height.
+    for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        row = tl.cast(row_i, tl.int64)
+        row_ptr = logits_ptr + row * stride_row
+        y = tl.load(target_ptr + row)
+        valid = y != ignore_index
+        y = tl.minimum(tl.maximum(y, 0), V - 1)  # safe index for ignored (or unchecked) targets
 
-    # Pass 1: online logsumexp over V; weighted sum of logits (smoothing); running argmax (stats).
-    m = float("-inf")
-    s = 0.0
-    sum_z = 0.0
-    best = float("-inf")
-    best_idx = 0
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < V
-        raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z_in = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
-        z = tl.where(mask, z_in, float("-inf"))
-        block_max = tl.max(z, 0)
-        m_new = tl.maximum(m, block_max)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that start with -inf logits
-        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)
-        m = m_new
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                sum_z += tl.sum(tl.where(mask, w * z_in, 0.0), 0)
-            else:
-                sum_z += tl.sum(tl.where(mask, z_in, 0.0), 0)
-        if COMPUTE_ACC:
-            block_arg = tl.argmax(z, 0)
-            best_idx = tl.where(block_max > best, start + block_arg, best_idx)
-            best = tl.maximum(best, block_max)
-    lse = m + tl.log(s)
-
-    z_y = _logits(tl.load(row_ptr + y).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)
-    if HAS_WEIGHT:
-        w_y = tl.load(class_weight_ptr + y).to(tl.float32)
-        w_sum = tl.load(weight_sum_ptr).to(tl.float32)
-    else:
-        w_y = 1.0
-        w_sum = V * 1.0
-    loss = (1.0 - smoothing) * w_y * (lse - z_y)
-    if HAS_SMOOTHING:
-        loss += smoothing / V * (w_sum * lse - sum_z)
-    if HAS_Z_LOSS:
-        loss += z_loss * lse * lse
-    tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
-    tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
-    if COMPUTE_ACC:
-        tl.store(correct_ptr + row, (valid & (best_idx == y)).to(tl.float32))
-
-    if COMPUTE_GRAD:
-        # Pass 2: dz_j = coef * p_j - (1-eps) w_y [j == y] - eps/V w_j, chained through softcap and
-        # temperature, times the reduction's scale. Ignored rows get exact zeros (not 0 * NaN).
-        coef = (1.0 - smoothing) * w_y
-        if HAS_SMOOTHING:
-            coef += smoothing / V * w_sum
-        if HAS_Z_LOSS:
-            coef += 2.0 * z_loss * lse
-        if SCALE_PER_ROW:
-            scale = tl.load(scale_ptr + row).to(tl.float32)
-        else:
-            scale = tl.load(scale_ptr).to(tl.float32)
-        scale = scale * inv_temp
+        # Pass 1: online logsumexp over V; weighted sum of logits (smoothing); running argmax (stats).
+        m = float("-inf")
+        s = 0.0
+        sum_z = 0.0
+        best = float("-inf")
+        best_idx = 0
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
             raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            z = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
-            g = coef * tl.exp(z - lse)
+            z_in = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
+            z = tl.where(mask, z_in, float("-inf"))
+            block_max = tl.max(z, 0)
+            m_new = tl.maximum(m, block_max)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that start with -inf logits
+            s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)
+            m = m_new
             if HAS_SMOOTHING:
                 if HAS_WEIGHT:
                     w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                    g -= smoothing / V * w
+                    sum_z += tl.sum(tl.where(mask, w * z_in, 0.0), 0)
                 else:
-                    g -= smoothing / V
-            g = tl.where(cols == y, g - (1.0 - smoothing) * w_y, g)
-            if HAS_SOFTCAP:
-                t = z / softcap
-                g = g * (1.0 - t * t)
-            g = tl.where(valid, g * scale, 0.0)
-            tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+                    sum_z += tl.sum(tl.where(mask, z_in, 0.0), 0)
+            if COMPUTE_ACC:
+                block_arg = tl.argmax(z, 0)
+                best_idx = tl.where(block_max > best, start + block_arg, best_idx)
+                best = tl.maximum(best, block_max)
+        lse = m + tl.log(s)
+
+        z_y = _logits(tl.load(row_ptr + y).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)
+        if HAS_WEIGHT:
+            w_y = tl.load(class_weight_ptr + y).to(tl.float32)
+            w_sum = tl.load(weight_sum_ptr).to(tl.float32)
+        else:
+            w_y = 1.0
+            w_sum = V * 1.0
+        loss = (1.0 - smoothing) * w_y * (lse - z_y)
+        if HAS_SMOOTHING:
+            loss += smoothing / V * (w_sum * lse - sum_z)
+        if HAS_Z_LOSS:
+            loss += z_loss * lse * lse
+        tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+        tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
+        if COMPUTE_ACC:
+            tl.store(correct_ptr + row, (valid & (best_idx == y)).to(tl.float32))
+
+        if COMPUTE_GRAD:
+            # Pass 2: dz_j = coef * p_j - (1-eps) w_y [j == y] - eps/V w_j, chained through softcap and
+            # temperature, times the reduction's scale. Ignored rows get exact zeros (not 0 * NaN).
+            coef = (1.0 - smoothing) * w_y
+            if HAS_SMOOTHING:
+                coef += smoothing / V * w_sum
+            if HAS_Z_LOSS:
+                coef += 2.0 * z_loss * lse
+            if SCALE_PER_ROW:
+                scale = tl.load(scale_ptr + row).to(tl.float32)
+            else:
+                scale = tl.load(scale_ptr).to(tl.float32)
+            scale = scale * inv_temp
+            for start in range(0, V, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                mask = cols < V
+                raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                z = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
+                g = coef * tl.exp(z - lse)
+                if HAS_SMOOTHING:
+                    if HAS_WEIGHT:
+                        w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                        g -= smoothing / V * w
+                    else:
+                        g -= smoothing / V
+                g = tl.where(cols == y, g - (1.0 - smoothing) * w_y, g)
+                if HAS_SOFTCAP:
+                    t = z / softcap
+                    g = g * (1.0 - t * t)
+                g = tl.where(valid, g * scale, 0.0)
+                tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """programs_per_sm: grid size per SM (rows are dealt out round-robin); block_v: vocabulary columns
+    per step. Defaults from benchmark/tune_ce.py on an H200 (2048 x 128256 bf16: 0.55 ms against 0.87
+    for 2 / 4096 / 8 warps; see benchmark/NOTES.md)."""
+
+    programs_per_sm: int = 8
+    block_v: int = 8192
+    num_warps: int = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int | None) -> int:
+    if not torch.cuda.is_available():
+        return 4  # interpreter: the grid size only changes how rows are dealt out
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
 
 
 def ce_chunk_triton(
@@ -150,6 +174,7 @@ def ce_chunk_triton(
     weight_sum: torch.Tensor | None,
     grad_scale: torch.Tensor | None,
     opts: LossOptions,
+    config: LaunchConfig = LaunchConfig(),
 ) -> None:
     """Launch the kernel on one chunk. See ``kernels.ce_chunk`` for the contract."""
     n, vocab = logits.shape
@@ -157,8 +182,9 @@ def ce_chunk_triton(
         return
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     dummy = loss  # placeholder pointer for disabled features (never read)
-    block_v = min(triton.next_power_of_2(vocab), 4096)
-    _ce_kernel[(n,)](
+    block_v = min(triton.next_power_of_2(vocab), config.block_v)
+    programs = min(n, config.programs_per_sm * _sm_count(logits.device.index))
+    _ce_kernel[(programs,)](
         logits,
         logits.stride(0),
         target,
@@ -168,6 +194,7 @@ def ce_chunk_triton(
         loss,
         lse,
         correct if correct is not None else dummy,
+        n,
         vocab,
         opts.ignore_index,
         float(opts.label_smoothing),
@@ -182,5 +209,5 @@ def ce_chunk_triton(
         SCALE_PER_ROW=grad_scale is not None and grad_scale.dim() == 1,
         COMPUTE_ACC=correct is not None,
         BLOCK_V=block_v,
-        num_warps=8 if block_v >= 2048 else 4,
+        num_warps=max(4, min(config.num_warps, block_v // 512)),
     )
