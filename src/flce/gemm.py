@@ -13,37 +13,48 @@ import torch
 # Flipped by tests to exercise the fallback on builds that do have out_dtype.
 FORCE_FALLBACK = False
 
+_OPS = {False: (torch.mm, torch.addmm), True: (torch.bmm, torch.baddbmm)}  # (write, accumulate)
+
 
 @functools.lru_cache(maxsize=None)
-def _probe_out_dtype(device_type: str) -> bool:
+def _probe_out_dtype(device_type: str, batched: bool = False) -> bool:
+    mm, addmm = _OPS[batched]
     try:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
-        acc = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
-        torch.mm(a, a, out_dtype=torch.float32, out=acc)
-        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-        return bool(acc[0, 0].item() == 4.0)
+        shape = (1, 2, 2) if batched else (2, 2)
+        a = torch.ones(shape, dtype=torch.bfloat16, device=device_type)
+        acc = torch.zeros(shape, dtype=torch.float32, device=device_type)
+        mm(a, a, out_dtype=torch.float32, out=acc)
+        addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        return bool(acc.flatten()[0].item() == 4.0)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
 
-def supports_out_dtype(device: torch.device) -> bool:
-    """Whether mm/addmm(out_dtype=float32) works for half-precision operands on this device type."""
-    return not FORCE_FALLBACK and _probe_out_dtype(device.type)
+def supports_out_dtype(device: torch.device, batched: bool = False) -> bool:
+    """Whether (b)mm/add(b)mm(out_dtype=float32) works for half-precision operands on this device type."""
+    return not FORCE_FALLBACK and _probe_out_dtype(device.type, batched)
 
 
 def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool) -> None:
     """out = a @ b, or out += a @ b; ``out`` may be wider (float32) than the operands."""
-    if out.dtype == a.dtype:
-        if accumulate:
-            out.addmm_(a, b)
+    _gemm_into(out, a, b, accumulate, batched=False)
+
+
+def bmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool) -> None:
+    """Batched ``mm_into``: out[i] = a[i] @ b[i] (or +=). ``out`` may be a strided view (any row stride,
+    e.g. a permuted (B, G, N) buffer seen as (G, B, N)): cuBLAS writes it in place through ldc/strideC."""
+    _gemm_into(out, a, b, accumulate, batched=True)
+
+
+def _gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool, batched: bool) -> None:
+    mm, addmm = _OPS[batched]
+    kwargs = {}
+    if out.dtype != a.dtype:
+        if out.dtype == torch.float32 and supports_out_dtype(out.device, batched):
+            kwargs["out_dtype"] = torch.float32
         else:
-            torch.mm(a, b, out=out)
-    elif out.dtype == torch.float32 and supports_out_dtype(out.device):
-        if accumulate:
-            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-        else:
-            torch.mm(a, b, out_dtype=torch.float32, out=out)
-    elif accumulate:
-        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+            a, b = a.to(out.dtype), b.to(out.dtype)
+    if accumulate:
+        addmm(out, a, b, out=out, **kwargs)
     else:
-        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+        mm(a, b, out=out, **kwargs)

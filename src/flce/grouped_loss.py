@@ -1,0 +1,301 @@
+"""Grouped-head fused linear + cross-entropy: G vocabulary heads, one per group, never the (B, G, V) logits.
+
+Multi-token prediction or per-group heads: group g of every batch position is projected by its own
+head ``W[g]`` (V x H). The chunk loop is the core's (function.py) with each GEMM batched over the
+groups: a chunk of ``c`` batch positions holds (G, c, V) logits in one contiguous buffer, which the
+cross-entropy kernel sees as G*c ordinary rows. The grad_weight GEMM of a chunk is G GEMMs with K = c,
+so chunks are sized per group exactly like the core's (``plan_chunks`` with a G*V-wide "vocabulary").
+Batch-major inputs are read and their gradients written through (G, B, ·) views (see grouped.py).
+
+Reductions over groups: "sum" is the sum over all groups' valid tokens, i.e. the sum over groups of
+``linear_cross_entropy(..., reduction="sum")``. "mean" divides that sum by the number of valid tokens
+of all groups (by the sum of their class weights when ``weight`` is given): every token of every head
+counts once, as if the G heads' tokens formed one batch. It equals the sum over groups of
+``linear_cross_entropy(x_g, W_g, t_g, num_items_in_batch=total_valid)``, and is the mean of the per-group
+means only when every group has the same number of valid tokens. For another weighting of the groups,
+use reduction="none" (returns the target's (B, G) or (G, B) shape) or "sum" per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .api import LossStats, _check_tensors, _compute_dtype, _reduction_scale, _stats
+from .function import _CONSUMED, ChunkGrads, LossParts, scale_grad
+from .gemm import bmm_into
+from .grouped import check_group_bias, group_major_view
+from .kernels import ce_chunk, resolve_backend
+from .options import LossOptions
+from .planner import ChunkPlan, plan_chunks
+
+
+@dataclass(frozen=True)
+class GroupedChunkPlan(ChunkPlan):
+    """A ChunkPlan over batch positions (a chunk of ``rows`` positions holds G*rows logit rows), plus
+    the layout of the inputs."""
+
+    group_major: bool = False
+
+
+@torch.compiler.disable  # as the core: host-side checks and Triton launches, one graph break
+def grouped_linear_cross_entropy(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    group_major: bool = False,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    accum_dtype: torch.dtype | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+    return_stats: bool = False,
+    validate_target: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, LossStats]:
+    """Cross-entropy of ``input[:, g] @ linear_weight[g].T (+ linear_bias[g])`` for G heads at once.
+
+    Args:
+        input: (B, G, H), or (G, B, H) with ``group_major=True``.
+        linear_weight: (G, V, H), one head per group. linear_bias: (G, V) or None.
+        target: (B, G), or (G, B) with ``group_major=True``.
+        weight: (V,) class weights shared by all heads, or None.
+        reduction: "mean" over the valid tokens of all groups, "sum", or "none" (target's shape);
+            see the module docstring.
+        chunk_size: batch positions per chunk (each chunk holds G * chunk_size rows of logits).
+        validate_target: as in ``linear_cross_entropy``: check targets (one host sync) and skip the
+            batch positions whose targets are ignored in every group. False is sync-free.
+        Other options: as in :func:`flce.linear_cross_entropy`.
+    """
+    opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction)
+    _check_grouped(input, linear_weight, target, linear_bias, weight, group_major)
+    _check_options(reduction, num_items_in_batch, chunk_size, accum_dtype)
+    backend = resolve_backend(backend, input.device)
+    compute_dtype = _compute_dtype(input, linear_weight, linear_bias)
+    groups, vocab, _ = linear_weight.shape
+    batch_dim = 1 if group_major else 0
+
+    x, t = input, target.long()
+    valid = t != ignore_index
+    kept = None  # batch positions kept, when some are ignored in every group
+    if validate_target and t.numel():
+        kept = _check_and_compact(t, valid, vocab, batch_dim)
+        if kept is not None:
+            x, t = x.index_select(batch_dim, kept), t.index_select(batch_dim, kept)
+
+    class_w = weight.float().contiguous() if weight is not None else None
+    weight_sum = class_w.sum() if class_w is not None else None
+    scale = None if reduction == "none" else _reduction_scale(t, valid, class_w, opts, num_items_in_batch)
+    base = plan_chunks(t.shape[batch_dim], groups * vocab, compute_dtype, linear_weight.dtype,
+                       chunk_size=chunk_size, accum_dtype=accum_dtype)
+    plan = GroupedChunkPlan(base.n_rows, base.rows, base.accum_dtype, group_major)
+    args = (x, linear_weight, linear_bias, t, class_w, weight_sum)
+    if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:3]):
+        loss, lse, correct = GroupedLinearCrossEntropyFunction.apply(
+            *args, scale, opts, plan, compute_dtype, backend, return_stats
+        )
+    else:
+        parts, _ = grouped_chunk_loop(*args, None, (False, False, False), opts, plan, compute_dtype,
+                                      backend, want_correct=return_stats)
+        loss = parts.loss if scale is None else parts.loss.sum() * scale
+        lse, correct = parts.lse, parts.correct
+
+    if reduction == "none":
+        loss = _scatter_positions(loss, kept, batch_dim, target.shape)
+    if not return_stats:
+        return loss
+    lse = _scatter_positions(lse, kept, batch_dim, target.shape)
+    correct = _scatter_positions(correct, kept, batch_dim, target.shape)
+    return loss, _stats(lse.reshape(-1), correct.reshape(-1), valid.reshape(-1), None, scale, opts,
+                        target.shape)
+
+
+def grouped_chunk_loop(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    weight_sum: torch.Tensor | None,
+    grad_scale: torch.Tensor | None,
+    needs: tuple[bool, bool, bool],
+    opts: LossOptions,
+    plan: GroupedChunkPlan,
+    compute_dtype: torch.dtype,
+    backend: str,
+    want_correct: bool = False,
+) -> tuple[LossParts, ChunkGrads]:
+    """The core's ``chunk_loop`` (same contract) over groups: chunks of batch positions, batched GEMMs.
+
+    x: (B, G, H) or (G, B, H) per ``plan.group_major``; weight: (G, V, H); bias: (G, V) or None;
+    target: (B, G) or (G, B) int64; grad_scale: None, 0-d, or per token in target's shape.
+    Per-token outputs have the target's shape; gradients the shapes of x, weight and bias.
+    """
+    def gm(t: torch.Tensor) -> torch.Tensor:
+        return group_major_view(t, plan.group_major)
+
+    groups, vocab, hidden = weight.shape
+    dev = x.device
+    w = weight.to(compute_dtype)  # no copy unless autocast asks for a narrower dtype
+    grad = grad_scale is not None
+    need_x, need_w, need_b = (grad and k for k in needs)
+    per_token = grad and grad_scale.dim() > 0
+
+    def per_token_buffer() -> torch.Tensor:
+        return torch.empty(target.shape, dtype=torch.float32, device=dev)
+
+    parts = LossParts(per_token_buffer(), per_token_buffer(), per_token_buffer() if want_correct else None)
+    grads = ChunkGrads(
+        input=torch.empty(x.shape, dtype=x.dtype, device=dev) if need_x else None,
+        weight=torch.empty(groups, vocab, hidden, dtype=plan.accum_dtype, device=dev) if need_w else None,
+        bias=torch.zeros(groups, vocab, dtype=torch.float32, device=dev) if need_b else None,
+    )
+    if plan.n_rows == 0:
+        if grads.weight is not None:
+            grads.weight.zero_()
+        return parts, grads
+
+    # Flat buffers so that a shorter last chunk is still contiguous as (G * c, V).
+    logits_buffer = torch.empty(groups * plan.rows * vocab, dtype=compute_dtype, device=dev)
+    token_buffer = torch.empty(3, groups * plan.rows, dtype=torch.float32, device=dev)
+    x_gm, t_gm = gm(x), gm(target)
+    for i, (start, end) in enumerate(plan.bounds()):
+        n = groups * (end - start)
+        x_c = x_gm[:, start:end].to(compute_dtype)  # (G, c, H) view
+        logits = logits_buffer[: n * vocab].view(groups, end - start, vocab)
+        torch.bmm(x_c, w.transpose(1, 2), out=logits)
+        if bias is not None:
+            logits.add_(bias[:, None, :])
+        loss_c, lse_c, correct_c = token_buffer[:, :n]
+        scale = gm(grad_scale)[:, start:end].reshape(-1).contiguous() if per_token else grad_scale
+        ce_chunk(
+            backend,
+            logits.view(n, vocab),
+            t_gm[:, start:end].reshape(-1).contiguous(),
+            loss_c,
+            lse_c,
+            correct_c if want_correct else None,
+            class_weight,
+            weight_sum,
+            scale if grad else None,
+            opts,
+        )
+        for full, chunk in zip((parts.loss, parts.lse, parts.correct), (loss_c, lse_c, correct_c)):
+            if full is not None:
+                gm(full)[:, start:end].copy_(chunk.view(groups, -1))
+        if need_x:
+            bmm_into(gm(grads.input)[:, start:end], logits, w, accumulate=False)
+        if need_w:
+            bmm_into(grads.weight, logits.transpose(1, 2), x_c, accumulate=i > 0)
+        if need_b:
+            grads.bias += logits.sum(1, dtype=torch.float32)
+    return parts, grads
+
+
+class GroupedLinearCrossEntropyFunction(torch.autograd.Function):
+    """``LinearCrossEntropyFunction`` with the grouped chunk loop; same inputs and outputs, grouped shapes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, class_weight, weight_sum, grad_scale, opts, plan,
+                compute_dtype, backend, want_correct):
+        per_token = grad_scale is None
+        parts, grads = grouped_chunk_loop(
+            x, weight, bias, target, class_weight, weight_sum, grad_scale, tuple(ctx.needs_input_grad[:3]),
+            opts, plan, compute_dtype, backend, want_correct,
+        )
+        ctx.meta = (opts, plan, compute_dtype, backend, x.dtype, weight.dtype,
+                    bias.dtype if bias is not None else None)
+        if per_token:  # reduction="none": grad_output is per token, known only in backward: recompute
+            ctx.save_for_backward(x, weight, bias, target, class_weight, weight_sum)
+            loss = parts.loss
+        else:
+            ctx.grads = grads
+            loss = parts.loss.sum() * grad_scale
+        correct = parts.correct if parts.correct is not None else parts.loss.new_empty(0)
+        ctx.mark_non_differentiable(parts.lse, correct)
+        return loss, parts.lse, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse, _grad_correct):
+        opts, plan, compute_dtype, backend, x_dtype, w_dtype, b_dtype = ctx.meta
+        if hasattr(ctx, "grads"):
+            if ctx.grads is None:
+                raise RuntimeError(_CONSUMED)
+            grads, ctx.grads = ctx.grads, None
+            g = grad_loss.float()
+        else:
+            x, weight, bias, target, class_weight, weight_sum = ctx.saved_tensors
+            _, grads = grouped_chunk_loop(
+                x, weight, bias, target, class_weight, weight_sum, grad_loss.float(),
+                tuple(ctx.needs_input_grad[:3]), opts, plan, compute_dtype, backend,
+            )
+            g = torch.ones((), dtype=torch.float32, device=grad_loss.device)
+        return (
+            scale_grad(grads.input, g, x_dtype),
+            scale_grad(grads.weight, g, w_dtype),
+            scale_grad(grads.bias, g, b_dtype) if b_dtype is not None else None,
+            None, None, None, None, None, None, None, None, None,
+        )
+
+
+def _check_grouped(input, linear_weight, target, bias, class_weight, group_major: bool) -> None:
+    """Grouped shapes here; dtypes, devices and the class weights through the core's check on group 0."""
+    for name, t in (("input", input), ("linear_weight", linear_weight), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if linear_weight.dim() != 3 or linear_weight.shape[0] < 1:
+        raise ValueError(f"linear_weight must be (G, V, H) with G >= 1, got {tuple(linear_weight.shape)}")
+    groups, vocab, hidden = linear_weight.shape
+    layout = "(G, B, H)" if group_major else "(B, G, H)"
+    group_dim = 0 if group_major else 1
+    if input.dim() != 3 or input.shape[group_dim] != groups or input.shape[2] != hidden:
+        raise ValueError(f"input must be {layout} = {layout.replace('G', str(groups)).replace('H', str(hidden))} "
+                         f"(group_major={group_major}) to match linear_weight {tuple(linear_weight.shape)}, "
+                         f"got {tuple(input.shape)}")
+    if tuple(target.shape) != tuple(input.shape[:2]):
+        raise ValueError(f"target shape {tuple(target.shape)} must equal input's leading shape "
+                         f"{tuple(input.shape[:2])}")
+    check_group_bias("linear_bias", bias, groups, vocab)
+    _check_tensors(group_major_view(input, group_major)[0], linear_weight[0],
+                   group_major_view(target, group_major)[0], bias[0] if bias is not None else None,
+                   class_weight)
+
+
+def _check_options(reduction: str, num_items, chunk_size, accum_dtype) -> None:
+    if reduction == "none" and num_items is not None:
+        raise ValueError("num_items_in_batch cannot be combined with reduction='none'")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
+        raise TypeError(f"accum_dtype must be a floating torch.dtype or None, got {accum_dtype!r}")
+
+
+def _check_and_compact(t: torch.Tensor, valid: torch.Tensor, vocab: int, batch_dim: int) -> torch.Tensor | None:
+    """Raise on targets outside [0, V); return the batch positions to keep if some are ignored in
+    every group (one host sync)."""
+    keep = valid.any(dim=1 - batch_dim)
+    bad = valid & ((t < 0) | (t >= vocab))
+    n_keep, n_bad = torch.stack([keep.sum(), bad.sum()]).tolist()
+    if n_bad:
+        first = t[bad][0].item()
+        raise ValueError(f"target holds {n_bad} value(s) outside [0, {vocab}) that are not ignore_index "
+                         f"(first: {first})")
+    if n_keep == keep.numel():
+        return None
+    return keep.nonzero().squeeze(1)
+
+
+def _scatter_positions(values: torch.Tensor, kept: torch.Tensor | None, batch_dim: int, shape) -> torch.Tensor:
+    """Put per-token values of the kept batch positions back in the full shape (zeros elsewhere)."""
+    if kept is None:
+        return values
+    return values.new_zeros(shape).index_copy(batch_dim, kept, values)

@@ -1,0 +1,311 @@
+"""flce.grouped_linear_cross_entropy against a per-group float64 loop of the reference loss."""
+
+import pytest
+import torch
+from reference import TOL, assert_close, reference_loss
+
+import flce
+from flce import grouped_loss
+
+OPTIONS = {
+    "plain": {},
+    "bias": {"bias": True},
+    "class_weight": {"weight_cls": True},
+    "all": {"bias": True, "weight_cls": True, "label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 4.0,
+            "temperature": 1.3, "ignore": 0.25},
+}
+
+
+def make_case(B, G, hidden, vocab, dtype, device, *, group_major=False, bias=False, weight_cls=False,
+              ignore=0.0, ignore_index=-100):
+    lead = (G, B) if group_major else (B, G)
+    x = torch.randn(*lead, hidden, device=device).to(dtype).requires_grad_()
+    w = (torch.randn(G, vocab, hidden, device=device) / hidden**0.5 * 2).to(dtype).requires_grad_()
+    b = (torch.randn(G, vocab, device=device) * 0.5).to(dtype).requires_grad_() if bias else None
+    t = torch.randint(0, vocab, lead, device=device)
+    if ignore:
+        t[torch.rand(lead, device=device) < ignore] = ignore_index
+    cw = (torch.rand(vocab, device=device) + 0.2) if weight_cls else None
+    return x, w, b, t, cw
+
+
+def grouped_reference(x, w, b, t, cw, group_major, reduction="mean", num_items_in_batch=None, **opts):
+    """Per group, the float64 reference with reduction="none"; then the grouped reduction (see
+    grouped_loss's docstring). Returns (loss, grads_fn) where grads_fn() gathers the float64 grads."""
+    dim = 0 if group_major else 1
+    rows, leaves = [], []
+    for g in range(w.shape[0]):
+        b_g = b[g] if b is not None else None
+        r, lv = reference_loss(x.select(dim, g), w[g], t.select(dim, g), linear_bias=b_g, weight_cls=cw,
+                               reduction="none", **opts)
+        rows.append(r)
+        leaves.append(lv)
+    rows = torch.stack(rows, dim)
+    if reduction == "none":
+        loss = rows
+    elif num_items_in_batch is not None:
+        loss = rows.sum() / float(num_items_in_batch)
+    elif reduction == "sum":
+        loss = rows.sum()
+    else:
+        valid = t != opts.get("ignore_index", -100)
+        denom = cw.double()[t[valid]].sum() if cw is not None else valid.sum().double()
+        loss = rows.sum() / denom if denom != 0 else rows.sum() * 0.0
+
+    def grads():
+        out = []
+        for k, stack_dim in ((0, dim), (1, 0), (2, 0)):
+            parts = [lv[k].grad if lv[k] is not None else None for lv in leaves]
+            out.append(None if parts[0] is None else torch.stack(parts, stack_dim))
+        return out
+
+    return loss, grads
+
+
+def check(backend, device, *, B=7, G=3, hidden=16, vocab=50, dtype=torch.float32, group_major=False,
+          reduction="mean", grad_tol=None, **opts):
+    case = {k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts}
+    x, w, b, t, cw = make_case(B, G, hidden, vocab, dtype, device, group_major=group_major,
+                               ignore_index=opts.get("ignore_index", -100), **case)
+    loss = flce.grouped_linear_cross_entropy(x, w, t, group_major=group_major, linear_bias=b, weight=cw,
+                                             reduction=reduction, backend=backend, **opts)
+    for k in ("chunk_size", "accum_dtype", "validate_target"):
+        opts.pop(k, None)
+    ref, ref_grads = grouped_reference(x, w, b, t, cw, group_major, reduction, **opts)
+    tol = TOL[dtype]
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    assert_close(loss, ref, tol, "loss")
+    grad_out = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+    loss.backward(grad_out.to(loss.device, loss.dtype))
+    ref.backward(grad_out.to(ref.device))
+    for name, got, want in zip(("grad_input", "grad_weight", "grad_bias"),
+                               (x.grad, w.grad, b.grad if b is not None else None), ref_grads()):
+        if want is not None:
+            assert got.dtype == dtype and got.shape == want.shape, name
+            assert_close(got, want, grad_tol or tol, name)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("group_major", [False, True])
+def test_layouts_and_reductions(backend, device, group_major, reduction):
+    check(backend, device, group_major=group_major, reduction=reduction, ignore=0.2, chunk_size=3)
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_options(backend, device, name):
+    check(backend, device, group_major=name == "all", chunk_size=4, **dict(OPTIONS[name]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(device, dtype):
+    check("torch", device, dtype=dtype, B=20, hidden=32, vocab=70, chunk_size=6, **dict(OPTIONS["all"]))
+
+
+@pytest.mark.parametrize("B,G,hidden,vocab,chunk,group_major", [
+    (1, 3, 9, 37, None, False),   # B = 1, V not a multiple of 8
+    (6, 1, 8, 21, 4, True),       # G = 1, short last chunk
+    (11, 2, 7, 1, 5, False),      # V = 1: loss 0, gradients 0
+    (13, 4, 12, 30, 1, True),     # one position per chunk
+])
+def test_odd_shapes(backend, device, B, G, hidden, vocab, chunk, group_major):
+    check(backend, device, B=B, G=G, hidden=hidden, vocab=vocab, chunk_size=chunk, group_major=group_major,
+          label_smoothing=0.1, ignore=0.2, reduction="none")
+
+
+@pytest.mark.parametrize("group_major", [False, True])
+def test_equals_sum_over_groups_of_linear_cross_entropy(device, group_major):
+    """"sum" is the sum of per-group sums; "mean" is that sum over the valid tokens of all groups, i.e. the
+    per-group losses with num_items_in_batch = the total count. Checked on values and gradients."""
+    x, w, b, t, cw = make_case(9, 3, 12, 40, torch.float32, device, group_major=group_major, bias=True,
+                               weight_cls=True, ignore=0.3)
+    dim = 0 if group_major else 1
+    total = (t != -100).sum()
+    denom = cw[t[t != -100]].sum()
+    for reduction, per_group_kw in (("sum", {"reduction": "sum"}), ("mean", {"num_items_in_batch": denom})):
+        for p in (x, w, b):
+            p.grad = None
+        grouped_l = flce.grouped_linear_cross_entropy(x, w, t, group_major=group_major, linear_bias=b,
+                                                      weight=cw, reduction=reduction, z_loss=1e-3, chunk_size=4)
+        grouped_l.backward()
+        grouped_grads = [p.grad.clone() for p in (x, w, b)]
+        for p in (x, w, b):
+            p.grad = None
+        loop = sum(flce.linear_cross_entropy(x.select(dim, g), w[g], t.select(dim, g), linear_bias=b[g],
+                                             weight=cw, z_loss=1e-3, **per_group_kw) for g in range(3))
+        loop.backward()
+        assert_close(grouped_l, loop, 1e-6, reduction)
+        for got, want in zip(grouped_grads, (x.grad, w.grad, b.grad)):
+            assert_close(got, want, 1e-5, reduction)
+    assert total > 0
+
+
+def test_num_items_in_batch(device):
+    for reduction in ("mean", "sum"):
+        check("torch", device, reduction=reduction, ignore=0.3, num_items_in_batch=11)
+    check("torch", device, ignore=0.3, num_items_in_batch=torch.tensor(11, device=device), group_major=True)
+
+
+def test_accumulators(device):
+    for accum in (torch.float32, torch.bfloat16):
+        check("torch", device, dtype=torch.bfloat16, B=16, chunk_size=3, accum_dtype=accum)
+
+
+def test_autocast_bf16_with_fp32_weights(device):
+    x, w, b, t, _ = make_case(10, 3, 16, 40, torch.float32, device, bias=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = flce.grouped_linear_cross_entropy(x, w, t, linear_bias=b, chunk_size=4)
+    loss.backward()
+    ref, ref_grads = grouped_reference(x, w, b, t, None, False)
+    ref.backward()
+    assert_close(loss, ref, 3e-2, "loss")
+    for name, got, want in zip(("x", "w", "b"), (x.grad, w.grad, b.grad), ref_grads()):
+        assert got.dtype == torch.float32, name
+        assert_close(got, want, 3e-2, name)
+
+
+@pytest.mark.parametrize("group_major", [False, True])
+def test_positions_ignored_everywhere_are_skipped(backend, device, monkeypatch, group_major):
+    """Batch positions whose every group is ignored never reach the GEMMs (validate_target=True); the
+    sync-free path computes and zeroes them; both give the reference's values."""
+    B, G = 10, 3
+    x, w, b, t, _ = make_case(B, G, 8, 20, torch.float32, device, group_major=group_major, bias=True, ignore=0.2)
+    dim = 1 if group_major else 0
+    t.index_fill_(dim, torch.tensor([0, 4, 5], device=device), -100)  # three positions ignored in every group
+    seen = []
+    real = grouped_loss.ce_chunk
+    monkeypatch.setattr(grouped_loss, "ce_chunk", lambda *a: seen.append(a[1].shape[0]) or real(*a))
+    results = []
+    g = torch.randn(t.shape, device=device)
+    for validate in (True, False):
+        seen.clear()
+        for p in (x, w, b):
+            p.grad = None
+        rows = flce.grouped_linear_cross_entropy(x, w, t, group_major=group_major, linear_bias=b,
+                                                 reduction="none", backend=backend, validate_target=validate)
+        assert sum(seen) == G * (B - 3 if validate else B)
+        rows.backward(g)
+        results.append([rows.detach(), x.grad.clone(), w.grad.clone(), b.grad.clone()])
+    ref, ref_grads = grouped_reference(x, w, b, t, None, group_major, "none")
+    ref.backward(g.double())
+    for got in results:
+        assert_close(got[0], ref, 1e-5, "loss")
+        for a, want in zip(got[1:], ref_grads()):
+            assert_close(a, want, 1e-5)
+    assert torch.all(results[0][1].select(dim, 0) == 0)
+
+
+def test_chunks_never_hold_all_logits(device, monkeypatch):
+    """Each chunk's logits are G * chunk_size rows (the last one fewer), never (B, G, V)."""
+    B, G, chunk = 11, 3, 4
+    seen = []
+    real = grouped_loss.ce_chunk
+    monkeypatch.setattr(grouped_loss, "ce_chunk", lambda *a: seen.append(tuple(a[1].shape)) or real(*a))
+    x, w, _, t, _ = make_case(B, G, 8, 30, torch.float32, device)
+    flce.grouped_linear_cross_entropy(x, w, t, chunk_size=chunk).backward()
+    assert seen == [(G * 4, 30), (G * 4, 30), (G * 3, 30)]
+
+
+def test_no_grad_path_and_stats(backend, device):
+    x, w, _, t, _ = make_case(12, 2, 16, 30, torch.float32, device, ignore=0.25)
+    t[:3] = (torch.einsum("bgh,gvh->bgv", x.detach(), w.detach())[:3]).argmax(-1)  # some sure hits
+    loss, stats = flce.grouped_linear_cross_entropy(x, w, t, z_loss=1e-2, return_stats=True, backend=backend,
+                                                    chunk_size=5)
+    with torch.no_grad():
+        loss_ng = flce.grouped_linear_cross_entropy(x, w, t, z_loss=1e-2, backend=backend, chunk_size=5)
+    assert_close(loss_ng, loss.detach(), 1e-6)
+    logits = torch.einsum("bgh,gvh->bgv", x.detach().double(), w.detach().double())
+    valid = t != -100
+    lse = torch.logsumexp(logits, -1)
+    assert stats.num_valid.item() == valid.sum().item()
+    acc = ((logits.argmax(-1) == t) & valid).sum() / valid.sum()
+    assert stats.accuracy.item() == pytest.approx(acc.item(), abs=1e-6)
+    assert stats.z_loss.item() == pytest.approx(((1e-2 * lse.square() * valid).sum() / valid.sum()).item(), rel=1e-5)
+    rows, stats_none = flce.grouped_linear_cross_entropy(x, w, t, z_loss=1e-2, reduction="none",
+                                                         return_stats=True, backend=backend)
+    assert rows.shape == t.shape and stats_none.z_loss.shape == t.shape
+    assert torch.allclose(stats_none.z_loss.double(), 1e-2 * lse.square() * valid, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_nothing_to_count_is_zero_not_nan(device, reduction):
+    x, w, _, _, _ = make_case(4, 2, 8, 20, torch.float32, device)
+    t = torch.full((4, 2), -100, device=device)
+    loss = flce.grouped_linear_cross_entropy(x, w, t, reduction=reduction)
+    assert loss.shape == ((4, 2) if reduction == "none" else ())
+    assert torch.all(loss == 0)
+    loss.sum().backward()
+    assert torch.all(x.grad == 0) and torch.all(w.grad == 0)
+
+
+def test_second_backward(device):
+    x, w, _, t, _ = make_case(6, 2, 8, 20, torch.float32, device)
+    loss = flce.grouped_linear_cross_entropy(x, w, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+    x.grad = None
+    rows = flce.grouped_linear_cross_entropy(x, w, t, reduction="none")
+    g = torch.randn_like(rows)
+    rows.backward(g, retain_graph=True)
+    first = x.grad.clone()
+    rows.backward(g)
+    assert torch.allclose(x.grad, 2 * first, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_inputs_raise(device):
+    x, w, b, t, _ = make_case(4, 3, 8, 20, torch.float32, device)
+    call = flce.grouped_linear_cross_entropy
+    with pytest.raises(ValueError, match="linear_weight must be"):
+        call(x, w[0], t)
+    with pytest.raises(ValueError, match="input must be"):
+        call(x, w[:2], t)
+    with pytest.raises(ValueError, match="input must be"):
+        call(x, w, t, group_major=True)
+    with pytest.raises(ValueError, match="target shape"):
+        call(x, w, t.t())
+    with pytest.raises(ValueError, match="linear_bias"):
+        call(x, w, t, linear_bias=torch.randn(20, device=device))
+    with pytest.raises(ValueError, match="weight must be"):
+        call(x, w, t, weight=torch.rand(3, 20, device=device))
+    with pytest.raises(TypeError, match="target"):
+        call(x, w, t.float())
+    with pytest.raises(TypeError, match="share a dtype"):
+        call(x.double(), w, t)
+    bad = t.clone()
+    bad[1, 2] = 20
+    with pytest.raises(ValueError, match="outside"):
+        call(x, w, bad)
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        call(x, w, t, reduction="none", num_items_in_batch=3)
+    with pytest.raises(ValueError, match="chunk_size"):
+        call(x, w, t, chunk_size=0)
+    with pytest.raises(ValueError, match="reduction"):
+        call(x, w, t, reduction="avg")
+
+
+# ---------------------------------------------------------------- GPU: real shapes
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_major", [False, True])
+def test_gpu_real_shape_bf16(group_major):
+    """B=2048 positions, G=4 heads of a 32000-word vocabulary at H=1024 in bf16, several chunks: the
+    float64 per-group reference, and peak memory below what the (B, G, V) logits alone would take."""
+    dev = torch.device("cuda")
+    B, G, H, V = 2048, 4, 1024, 32000
+    x, w, b, t, _ = make_case(B, G, H, V, torch.bfloat16, dev, group_major=group_major, ignore=0.1)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = flce.grouped_linear_cross_entropy(x, w, t, group_major=group_major, label_smoothing=0.1,
+                                             chunk_size=512)
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    grads = G * V * H * (4 + 2) + B * G * H * 2  # fp32 accumulator, bf16 grad_weight, grad_input
+    chunk_logits = G * 512 * V * 2
+    assert extra < grads + 2 * chunk_logits < grads + B * G * V * 2  # the full logits would not fit
+    ref, ref_grads = grouped_reference(x, w, b, t, None, group_major, label_smoothing=0.1)
+    ref.backward()
+    assert_close(loss, ref, TOL[torch.bfloat16], "loss")
+    for name, got, want in zip(("x", "w"), (x.grad, w.grad), ref_grads()):
+        assert_close(got, want, TOL[torch.bfloat16], name)
