@@ -1,0 +1,310 @@
+"""Timing, memory and output helpers shared by the benchmark suites.
+
+A suite is a module ``benchmark/suite_<name>.py`` with ``NAME: str`` and ``run(args) -> list[dict]``
+(optional: ``COLUMNS`` for its table, ``plot(rows, out_dir) -> list[Path]`` for its figures; without
+``plot``, bench.py draws :func:`plot_bars`). ``args`` has ``.device`` (torch.device), ``.quick``,
+``.warmup`` and ``.reps``, and the shared filters ``.sweep``, ``.methods``, ``.dtype``, ``.modes``
+(comma-separated strings, None = the suite's default) and ``.notes`` (a list: append lines to print
+and store, e.g. why a method was skipped). A row is a flat dict made by :func:`make_row`: ``suite,
+method, mode ("fwd" | "fwd+bwd"), shape (str), median_ms, tflops, peak_mb, status`` plus extras.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+NAN = float("nan")
+MB = 2**20
+BASE_COLUMNS = ["method", "mode", "shape", "median_ms", "tflops", "peak_mb", "status"]
+
+
+# ---------------------------------------------------------------- timing and memory
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Return cached blocks between cells so that one method's leftovers do not count for the next."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def median_ms(fn: Callable[[], Any], warmup: int, reps: int, device: torch.device) -> float:
+    """Median wall time of ``fn()`` in milliseconds: CUDA events on a GPU, perf_counter elsewhere."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_extra_mb(fn: Callable[[], Any], device: torch.device) -> float:
+    """Peak CUDA memory allocated during ``fn()`` above what was allocated before it, in MiB (NaN off GPU).
+
+    What ``fn`` returns is alive at the peak, so returning gradients counts their buffers.
+    """
+    if device.type != "cuda":
+        return NAN
+    free_memory(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del result
+    return peak / MB
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Out-of-memory errors, whatever layer raised them (torch, Triton, cuBLAS)."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "outofresources" in type(exc).__name__.lower()
+
+
+def measure(fn: Callable[[], Any], args, flops: float) -> dict[str, Any]:
+    """Time and measure ``fn``; an OOM or other error becomes a ``status`` instead of a crash.
+
+    Returns ``median_ms, tflops, peak_mb, status`` ("ok", "OOM" or "error: ...").
+    """
+    out = {"median_ms": NAN, "tflops": NAN, "peak_mb": NAN, "status": "ok"}
+    try:
+        fn()  # compiles and autotunes outside the measurements
+        out["peak_mb"] = peak_extra_mb(fn, args.device)
+        out["median_ms"] = median_ms(fn, args.warmup, args.reps, args.device)
+        out["tflops"] = tflops(flops, out["median_ms"])
+    except Exception as exc:  # noqa: BLE001 - one failing method must not end the run
+        out["status"] = "OOM" if is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:160]}"
+    free_memory(args.device)
+    return out
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12 if ms and ms > 0 else NAN
+
+
+def copy_bandwidth_gbs(device: torch.device, megabytes: int = 1024, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in GB/s (10^9 bytes read + written per second) of a large copy."""
+    n = megabytes * MB
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), warmup=2, reps=reps, device=device)
+    del src, dst
+    free_memory(device)
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def make_row(suite: str, method: str, mode: str, shape: str, measured: dict[str, Any], **extras) -> dict:
+    """A flat result row: the shared keys first, then the suite's extras."""
+    row = {"suite": suite, "method": method, "mode": mode, "shape": shape}
+    row.update({k: measured.get(k, NAN) for k in ("median_ms", "tflops", "peak_mb")})
+    row["status"] = measured.get("status", "ok")
+    row.update(extras)
+    return row
+
+
+# ---------------------------------------------------------------- environment
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What a result file needs to be read later: device, versions, date."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "device": device_name(device),
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def slug(text: str) -> str:
+    """File-name-safe form of a device name or label."""
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in text).strip("-").lower() or "x"
+
+
+# ---------------------------------------------------------------- output
+
+@contextlib.contextmanager
+def progress(total: int, description: str) -> Iterator[Callable[[str], None]]:
+    """Rich progress bar; yields ``step(label)`` to call once per finished cell."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[label]}"))
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task(description, total=total, label="")
+
+        def step(label: str = "") -> None:
+            bar.update(task, advance=1, label=label)
+
+        yield step
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        if value == 0 or abs(value) >= 100:
+            return f"{value:.0f}"
+        return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+    return "-" if value is None else str(value)
+
+
+def row_cells(row: dict, columns: list[str]) -> list[str]:
+    """Formatted values; a failed row (status not "ok") shows its status in place of its measurements."""
+    failed = row.get("status", "ok") != "ok"
+    return [row["status"].split(":")[0] if failed and c in ("median_ms", "tflops", "peak_mb")
+            else format_value(row.get(c)) for c in columns]
+
+
+def table_columns(rows: list[dict], preferred: Iterable[str] | None = None) -> list[str]:
+    """Columns to show: ``preferred`` (or the base ones) that any row has a value for."""
+    names = list(preferred) if preferred is not None else BASE_COLUMNS
+    present = {k for r in rows for k, v in r.items() if v is not None}
+    return [c for c in names if c in present]
+
+
+def print_table(rows: list[dict], title: str, columns: Iterable[str] | None = None, console=None) -> None:
+    """One rich table; a row whose status is not "ok" shows that status in place of its numbers."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=None if sys.stdout.isatty() else 250)  # logs keep every column
+    cols = table_columns(rows, columns)
+    table = Table(title=title, show_lines=False)
+    for c in cols:
+        numeric = rows and isinstance(next((r[c] for r in rows if c in r), None), (int, float))
+        table.add_column(c, justify="right" if numeric else "left")
+    for r in rows:
+        table.add_row(*row_cells(r, cols))
+    console.print(table)
+
+
+def markdown_table(rows: list[dict], columns: Iterable[str] | None = None) -> str:
+    """The same table as :func:`print_table`, as GitHub markdown (for notes and result files)."""
+    cols = table_columns(rows, columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(row_cells(r, cols)) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # strict JSON has no NaN
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, (torch.dtype, torch.device, Path)):
+        return str(value)
+    return value
+
+
+def write_json(path: Path, meta: dict[str, Any], rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_json_safe({"meta": meta, "rows": rows}), indent=1) + "\n")
+    return path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, fig, path: Path, title: str) -> Path:
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_lines(rows: list[dict], x: str, path: Path, title: str, ys=("median_ms", "peak_mb"),
+               logx: bool = True) -> Path | None:
+    """One figure, one panel per ``ys`` key, one line per method: value vs ``x`` (rows with status "ok")."""
+    plt = _pyplot()
+    ok = [r for r in rows if r.get("status", "ok") == "ok" and isinstance(r.get(x), (int, float))]
+    if not ok:
+        return None
+    fig, axes = plt.subplots(1, len(ys), figsize=(5.5 * len(ys), 4), squeeze=False)
+    for ax, y in zip(axes[0], ys):
+        for method in dict.fromkeys(r["method"] for r in ok):
+            pts = sorted((r[x], r[y]) for r in ok if r["method"] == method
+                         and isinstance(r.get(y), (int, float)) and math.isfinite(r[y]))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=method)
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        if not ax.lines:
+            ax.text(0.5, 0.5, f"no {y} values", transform=ax.transAxes, ha="center")
+            continue
+        if logx:
+            ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    return _save(plt, fig, path, title)
+
+
+def plot_bars(rows: list[dict], path: Path, title: str, ys=("median_ms", "peak_mb")) -> Path | None:
+    """Fallback figure for a suite without its own ``plot``: one bar per (shape, mode, method)."""
+    plt = _pyplot()
+    ok = [r for r in rows if r.get("status", "ok") == "ok"]
+    if not ok:
+        return None
+    labels = [f"{r['method']}\n{r['mode']} {r['shape']}" for r in ok]
+    fig, axes = plt.subplots(len(ys), 1, figsize=(max(6, 0.6 * len(ok)), 3.2 * len(ys)), squeeze=False)
+    for ax, y in zip(axes[:, 0], ys):
+        ax.bar(range(len(ok)), [r.get(y) if r.get(y) is not None else NAN for r in ok])
+        ax.set_ylabel(y)
+        ax.set_xticks(range(len(ok)), labels, rotation=60, ha="right", fontsize=7)
+    return _save(plt, fig, path, title)

@@ -1,0 +1,394 @@
+"""Fused linear + cross-entropy suite: flce against eager, torch.compile, peers and the GEMM floor.
+
+Every method computes ``mean cross_entropy(x @ W.T, t)`` with x: (BT, H), W: (V, H), t: (BT,).
+"fwd" times the loss alone (no autograd); "fwd+bwd" times the loss and both gradients
+(``torch.autograd.grad``, so nothing accumulates across repetitions and the returned gradients are
+alive at the memory peak). ``floor`` is the three GEMMs alone: logits, grad_input, grad_weight.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from common import (MB, NAN, copy_bandwidth_gbs, free_memory, is_oom, make_row, measure, plot_bars,
+                    plot_lines, progress)
+
+NAME = "lce"
+COLUMNS = ["sweep", "method", "mode", "dtype", "shape", "median_ms", "tflops", "x_floor", "peak_mb",
+           "overhead_mb", "byte_floor_ms", "x_byte_floor", "grad_w_err", "x_rounding", "ignored",
+           "x_all_valid", "status"]
+FLOOR = "floor"
+LEAN_BUFFER_MB = 64  # flce-lean: logits buffer of about this size (--lean-mb)
+BYTE_FLOOR_MAX_BT = 256  # the byte floor column is shown up to this many rows
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One problem: BT x H x V in ``dtype``; ``ignored``: share of targets = -100."""
+
+    sweep: str
+    bt: int
+    hidden: int
+    vocab: int
+    modes: tuple[str, ...] = ("fwd", "fwd+bwd")
+    ignored: float = 0.0
+    precision: bool = False  # also measure grad_weight's error against float64
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def shape(self) -> str:
+        return f"{self.bt}x{self.hidden}x{self.vocab}"
+
+
+LLAMA3 = dict(hidden=4096, vocab=128256)
+FB = ("fwd+bwd",)
+SWEEPS: dict[str, Callable[[bool], list[Cell]]] = {
+    "headline": lambda quick: [Cell("headline", bt, **LLAMA3)
+                               for bt in ((16, 1024, 8192) if quick else (1, 16, 64, 256, 1024, 8192, 32768))],
+    "vocab": lambda quick: [Cell("vocab", 8192, 4096, v)
+                            for v in ((32000, 128256) if quick else (32000, 65536, 128256, 256000))],
+    "hidden": lambda quick: [Cell("hidden", 8192, h, 128256)
+                             for h in ((2048, 4096) if quick else (1024, 2048, 4096, 8192))],
+    "small-vocab": lambda quick: [Cell("small-vocab", 8192, 2048, 32000)],
+    "precision": lambda quick: [Cell("precision", 32768, 1024, 32000, FB, precision=True),
+                                Cell("precision", 16384, 2048, 65536, FB, precision=True)],
+    "ignore": lambda quick: [Cell("ignore", 8192, **LLAMA3, modes=FB, ignored=share) for share in (0.0, 0.5)],
+    # The embedded default without a GPU: small enough for the CPU, every column exercised.
+    "cpu": lambda quick: [Cell("cpu", 64, 128, 2000, dtype=torch.float32),
+                          Cell("cpu", 256, 128, 2000, precision=True, dtype=torch.float32),
+                          Cell("cpu", 256, 128, 2000, FB, ignored=0.5, dtype=torch.float32)],
+}
+GPU_SWEEPS = [s for s in SWEEPS if s != "cpu"]
+X_AXIS = {"headline": "BT", "vocab": "V", "hidden": "H", "cpu": "BT"}  # sweeps drawn as lines
+
+
+# ---------------------------------------------------------------- methods
+
+def _flce(x, w, t):
+    import flce
+
+    return flce.linear_cross_entropy(x, w, t)
+
+
+def _flce_lean(x, w, t):
+    """Accumulator in the weight's dtype (bf16 in bf16 runs) and a ~LEAN_BUFFER_MB logits buffer."""
+    import flce
+
+    rows = max(LEAN_BUFFER_MB * MB // (w.shape[0] * w.element_size()), 1)
+    return flce.linear_cross_entropy(x, w, t, accum_dtype=w.dtype, chunk_size=rows)
+
+
+def _eager(x, w, t):
+    """Hugging Face style: logits in the model's dtype, upcast, then cross-entropy."""
+    logits = F.linear(x, w)
+    return F.cross_entropy(logits.float(), t, ignore_index=-100)
+
+
+_compiled: dict[str, LossFn] = {}
+
+
+def _compile(x, w, t):
+    if "eager" not in _compiled:
+        import torch._dynamo
+
+        for knob in ("cache_size_limit", "recompile_limit"):  # one graph per shape and mode
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, 256)
+        _compiled["eager"] = torch.compile(_eager, dynamic=False)
+    return _compiled["eager"](x, w, t)
+
+
+def _torch_native(x, w, t):
+    options = torch.nn.LinearCrossEntropyOptions()  # chunked path, torch's own auto choices
+    return F.linear_cross_entropy(x, w, t, options=options)
+
+
+@functools.lru_cache(maxsize=None)
+def _liger_module():
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return LigerFusedLinearCrossEntropyLoss()  # defaults, built once: not part of the timing
+
+
+def _liger(x, w, t):
+    return _liger_module()(w, x, t)
+
+
+def _cce(x, w, t):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(x, w, t)
+
+
+def _missing(module: str) -> Callable[[torch.device], str | None]:
+    def why(device: torch.device) -> str | None:
+        import importlib.util
+
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed"
+        return None if device.type == "cuda" else "needs CUDA"
+
+    return why
+
+
+METHODS: dict[str, LossFn | None] = {
+    "flce": _flce,
+    "flce-lean": _flce_lean,
+    "eager": _eager,
+    "compile": _compile,
+    "torch-native": _torch_native,
+    "liger": _liger,
+    "cce": _cce,
+    FLOOR: None,  # timed by _floor_fn
+}
+UNAVAILABLE: dict[str, Callable[[torch.device], str | None]] = {
+    "torch-native": lambda device: None if hasattr(F, "linear_cross_entropy")
+    else f"torch {torch.__version__} has no F.linear_cross_entropy",
+    "liger": _missing("liger_kernel"),
+    "cce": _missing("cut_cross_entropy"),
+}
+
+
+def _floor_fn(x, w, mode: str) -> Callable[[], object]:
+    """The GEMMs any exact method must do: logits, then (fwd+bwd) grad_input and grad_weight from them."""
+    if mode == "fwd":
+        return lambda: x @ w.t()
+
+    def three_gemms():
+        logits = x @ w.t()  # stands in for dlogits too: same shape, same dtype
+        return logits @ w, logits.t() @ x
+
+    return three_gemms
+
+
+def _loss_fn(method: str, x, w, t, mode: str) -> Callable[[], object]:
+    loss = METHODS[method]
+    if mode == "fwd":
+        x0, w0 = x.detach(), w.detach()
+
+        def forward():
+            with torch.no_grad():
+                return loss(x0, w0, t)
+
+        return forward
+    return lambda: torch.autograd.grad(loss(x, w, t), (x, w))
+
+
+# ---------------------------------------------------------------- precision
+
+def reference_grad_weight(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor,
+                          budget: int = 512 * MB) -> torch.Tensor:
+    """d mean CE / dW in float64, chunk by chunk on x's device: (V, H) float64.
+
+    x: (BT, H), w: (V, H), t: (BT,) with -100 for ignored rows.
+    """
+    w64 = w.detach().double()
+    valid = t != -100
+    grad = torch.zeros_like(w64)
+    rows = max(budget // (w.shape[0] * 8), 1)
+    for start in range(0, x.shape[0], rows):
+        x_c, t_c, v_c = x[start:start + rows].detach().double(), t[start:start + rows], valid[start:start + rows]
+        dlogits = torch.softmax(x_c @ w64.t(), dim=1)
+        dlogits[v_c, t_c[v_c]] -= 1
+        dlogits[~v_c] = 0
+        grad.addmm_(dlogits.t(), x_c)
+    return grad / valid.sum().clamp(min=1)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+# ---------------------------------------------------------------- the run
+
+def _make_inputs(cell: Cell, device: torch.device):
+    gen = torch.Generator(device=device).manual_seed(cell.bt * 7 + cell.vocab)
+    x = torch.randn(cell.bt, cell.hidden, device=device, dtype=cell.dtype, generator=gen).requires_grad_()
+    w = (torch.randn(cell.vocab, cell.hidden, device=device, dtype=cell.dtype, generator=gen)
+         * cell.hidden ** -0.5).requires_grad_()
+    t = torch.randint(0, cell.vocab, (cell.bt,), device=device, generator=gen)
+    if cell.ignored:
+        drop = torch.randperm(cell.bt, device=device, generator=gen)[: round(cell.ignored * cell.bt)]
+        t[drop] = -100
+    return x, w, t
+
+
+def _cells(args) -> list[Cell]:
+    if getattr(args, "shapes", None):
+        cells = [_custom_cell(spec) for spec in args.shapes.split(",")]
+    else:
+        names = args.sweep.split(",") if getattr(args, "sweep", None) else (
+            ["headline"] if args.device.type == "cuda" else ["cpu"])
+        names = GPU_SWEEPS if names == ["all"] else names
+        unknown = [n for n in names if n not in SWEEPS]
+        if unknown:
+            raise ValueError(f"unknown lce sweep(s) {unknown}; choose from {list(SWEEPS)} or 'all'")
+        cells = [c for n in names for c in SWEEPS[n](args.quick)]
+    dtypes = getattr(args, "dtype", None)
+    if dtypes:
+        unknown = [d for d in dtypes.split(",") if d not in DTYPES]
+        if unknown:
+            raise ValueError(f"unknown dtype(s) {unknown}; choose from {list(DTYPES)}")
+        cells = [replace(c, dtype=DTYPES[d]) for c in cells for d in dtypes.split(",")]
+    modes = getattr(args, "modes", None)
+    if modes:
+        keep = set(modes.split(","))
+        cells = [replace(c, modes=tuple(m for m in c.modes if m in keep)) for c in cells]
+    return [c for c in cells if c.modes]
+
+
+def _custom_cell(spec: str) -> Cell:
+    parts = spec.strip().lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--shapes wants BTxHxV with positive integers, got {spec!r}")
+    return Cell("custom", *map(int, parts))
+
+
+def _methods(args) -> list[str]:
+    wanted = args.methods.split(",") if getattr(args, "methods", None) else list(METHODS)
+    unknown = [m for m in wanted if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown lce method(s) {unknown}; choose from {list(METHODS)}")
+    chosen = []
+    for m in wanted:
+        why = UNAVAILABLE.get(m, lambda d: None)(args.device)
+        if why:
+            _note(args, f"lce: {m} skipped ({why})")
+        else:
+            chosen.append(m)
+    return chosen
+
+
+def _note(args, text: str) -> None:
+    notes = getattr(args, "notes", None)
+    if notes is not None:
+        notes.append(text)
+    else:
+        print(text)
+
+
+def run(args) -> list[dict]:
+    """Run the chosen sweeps; see the module docstring and benchmark/README.md for the columns."""
+    global LEAN_BUFFER_MB
+    device = args.device
+    cells, methods = _cells(args), _methods(args)
+    LEAN_BUFFER_MB = getattr(args, "lean_mb", None) or LEAN_BUFFER_MB
+    if device.type != "cuda":
+        what = "the small embedded CPU default" if all(c.sweep == "cpu" for c in cells) else "on the CPU"
+        _note(args, f"lce: not on a CUDA device, running {what} (times are not comparable with GPU results; "
+                    "memory columns need CUDA)")
+    bandwidth = copy_bandwidth_gbs(device, 1024 if device.type == "cuda" else 64)
+    _note(args, f"lce: measured device-to-device copy bandwidth {bandwidth:.0f} GB/s")
+    rows = []
+    with progress(sum(len(c.modes) for c in cells) * len(methods), "lce") as step:
+        for cell in cells:
+            try:
+                rows += _run_cell(cell, methods, args, bandwidth, step)
+            except Exception as exc:  # noqa: BLE001 - inputs or the float64 reference did not fit
+                if not is_oom(exc):
+                    raise
+                _note(args, f"lce: cell {cell.shape} {cell.dtype} skipped: out of memory for its inputs")
+                free_memory(device)
+    return _add_ratios(rows)
+
+
+def _run_cell(cell: Cell, methods: list[str], args, bandwidth: float, step) -> list[dict]:
+    device = args.device
+    x, w, t = _make_inputs(cell, device)
+    n_valid = int((t != -100).sum())
+    ref = rounding = None
+    if cell.precision:
+        ref = reference_grad_weight(x, w, t)
+        rounding = relative_error(ref.to(cell.dtype), ref)
+    item = x.element_size()
+    rows = []
+    for mode in cell.modes:
+        flops = (6 if mode == "fwd+bwd" else 2) * n_valid * cell.vocab * cell.hidden
+        grad_mb = (x.numel() + w.numel()) * item / MB if mode == "fwd+bwd" else 0.0
+        weight_passes = 3 if mode == "fwd+bwd" else 1  # read W (logits), read W (grad_input), write grad_W
+        byte_floor = weight_passes * w.numel() * item / (bandwidth * 1e9) * 1e3
+        for method in methods:
+            step(f"{cell.shape} {mode} {method}")
+            if method == FLOOR:  # the unavoidable work: valid rows only
+                x_valid = x.detach()[t != -100] if cell.ignored else x.detach()
+                fn = _floor_fn(x_valid, w.detach(), mode)
+            else:
+                fn = _loss_fn(method, x, w, t, mode)
+            measured = measure(fn, args, flops)
+            extras = dict(sweep=cell.sweep, dtype=str(cell.dtype).removeprefix("torch."), BT=cell.bt,
+                          H=cell.hidden, V=cell.vocab, ignored=cell.ignored,
+                          overhead_mb=measured["peak_mb"] - grad_mb,
+                          byte_floor_ms=byte_floor if cell.bt <= BYTE_FLOOR_MAX_BT else None,
+                          copy_gbs=bandwidth)
+            if ref is not None and mode == "fwd+bwd" and method != FLOOR and measured["status"] == "ok":
+                extras.update(_precision(fn, ref, rounding, args))
+            rows.append(make_row(NAME, method, mode, cell.shape, measured, **extras))
+    del x, w, t, ref
+    free_memory(device)
+    return rows
+
+
+def _precision(fn, ref: torch.Tensor, rounding: float, args) -> dict:
+    try:
+        _, grad_w = fn()
+        err = relative_error(grad_w, ref)
+        return dict(grad_w_err=err, x_rounding=err / rounding if rounding > 0 else NAN)
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        _note(args, f"lce: precision check failed: {type(exc).__name__}: {exc}")
+        return {}
+    finally:
+        free_memory(args.device)
+
+
+def _add_ratios(rows: list[dict]) -> list[dict]:
+    """x_floor (time / floor's time, same cell), x_byte_floor, x_all_valid (ignored cells vs all-valid)."""
+    def key(r, **override):
+        k = dict(sweep=r["sweep"], mode=r["mode"], dtype=r["dtype"], shape=r["shape"], ignored=r["ignored"],
+                 method=r["method"])
+        k.update(override)
+        return tuple(k.values())
+
+    by_key = {key(r): r for r in rows}
+    for r in rows:
+        floor = by_key.get(key(r, method=FLOOR))
+        r["x_floor"] = _ratio(r["median_ms"], floor["median_ms"] if floor else NAN)
+        r["x_byte_floor"] = _ratio(r["median_ms"], r["byte_floor_ms"]) if r["byte_floor_ms"] else None
+        if r["ignored"]:
+            base = by_key.get(key(r, ignored=0.0))
+            r["x_all_valid"] = _ratio(r["median_ms"], base["median_ms"] if base else NAN)
+    return rows
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and math.isfinite(a) and math.isfinite(b) else NAN
+
+
+# ---------------------------------------------------------------- plots
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Latency and memory vs BT / V / H for the line sweeps, bars for the single-shape ones."""
+    paths = []
+    for sweep in dict.fromkeys(r["sweep"] for r in rows):
+        for mode in dict.fromkeys(r["mode"] for r in rows if r["sweep"] == sweep):
+            sel = [r for r in rows if r["sweep"] == sweep and r["mode"] == mode]
+            name = f"lce_{sweep}_{mode.replace('+', '')}.png"
+            title = f"lce {sweep}, {mode}, {sel[0]['dtype']}"
+            x = X_AXIS.get(sweep)
+            if x and len({r[x] for r in sel}) > 1:
+                sel = [r for r in sel if not r["ignored"]]
+                path = plot_lines(sel, x, out_dir / name, title, ys=("median_ms", "x_floor", "peak_mb"))
+            else:
+                path = plot_bars(sel, out_dir / name, title)
+            if path:
+                paths.append(path)
+    return paths
+
