@@ -25,7 +25,7 @@ COLUMNS = ["sweep", "method", "mode", "dtype", "shape", "median_ms", "tflops", "
            "overhead_mb", "byte_floor_ms", "x_byte_floor", "grad_w_err", "x_rounding", "ignored",
            "x_all_valid", "status"]
 FLOOR = "floor"
-LEAN_BUFFER_MB = 64  # flce-lean: logits buffer of about this size (--lean-mb)
+LEAN_BUFFER_MB = 128  # flce-lean: logits buffer of about this size (--lean-mb)
 BYTE_FLOOR_MAX_BT = 256  # the byte floor column is shown up to this many rows
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

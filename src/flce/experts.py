@@ -1,0 +1,224 @@
+"""A Mixtral experts backend for transformers, registered as ``"flce"``.
+
+transformers 5 keeps a layer's experts as two 3-D parameters, ``gate_up_proj (E, 2I, H)`` (gate rows
+first) and ``down_proj (E, H, I)``, and calls the backend named by ``config._experts_implementation``
+from ``ExpertsInterface`` as ``fn(experts, hidden_states (T, H), top_k_index (T, k), top_k_weights
+(T, k))``. Importing flce registers this one: ``model.set_experts_implementation("flce")``.
+
+One autograd Function, every step on the device (no host sync, every shape fixed by T and k, so the
+layer can be captured in a CUDA graph):
+
+1. sort the S = T * k token-expert pairs by expert; ``offsets`` by ``searchsorted``. Pairs whose expert
+   id is outside [0, E) (expert-parallel sentinels) sort last and are dropped.
+2. gather the tokens once in that order: ``xs`` (S, H).
+3. ``h = xs @ gate_up[e]^T`` (grouped GEMM), ``a = silu(h_gate) * h_up`` (one kernel).
+4. ``y = a @ down[e]^T`` (grouped GEMM).
+5. ``out[t] = sum_j w[t, j] * y[pos[t, j]]`` in float32: the routing-weight multiply, the un-permute and
+   the recombine in one kernel.
+
+Backward reverses it: ``dy = w * g[token]`` and ``dw = <g[token], y>`` (one kernel), ``da = dy @
+down[e]``, ``dh`` and the recomputed ``a`` (one kernel, ``a`` written over ``da``), the two weight
+gradients as expert-grouped GEMMs, ``dxs = dh @ gate_up[e]`` and its float32 sum back onto the tokens.
+Saved for backward: ``xs``, ``h`` and (only when the routing weights need a gradient) ``y``.
+
+Each GEMM runs on the path measured fastest for its shape (flce's Triton grouped GEMMs, with or
+without TMA loads, or torch's grouped_mm; see ``flce.kernels.experts_dispatch``); set
+``FLCE_EXPERTS_GEMM`` to force one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .kernels.experts_dispatch import elementwise_ops, resolve_elementwise, rows_mm, wgrad_mm
+
+BACKEND_NAME = "flce"
+
+
+@dataclass(frozen=True)
+class Routes:
+    """Token-expert pairs sorted by expert. S = T * k pairs, pair ``t * k + j`` is (token t, choice j).
+
+    perm: (S,) int64, the pair in each sorted row. pos: (T, k) int64, the sorted row of each pair.
+    offsets: (E + 1,) int32, expert e owns sorted rows [offsets[e], offsets[e + 1]); offsets[E] is the
+    number of rows in use (dropped pairs sit after it).
+    """
+
+    perm: torch.Tensor
+    pos: torch.Tensor
+    offsets: torch.Tensor
+
+
+def route_pairs(top_k_index: torch.Tensor, num_experts: int) -> Routes:
+    """Sort the (T, k) routing choices by expert, on the device (stable: ties keep token order)."""
+    ids = top_k_index.reshape(-1)
+    keys = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    bounds = torch.arange(num_experts + 1, device=ids.device, dtype=sorted_keys.dtype)
+    offsets = torch.searchsorted(sorted_keys, bounds, out_int32=True)
+    rows = torch.arange(perm.numel(), device=ids.device)
+    pos = torch.empty_like(perm).scatter_(0, perm, rows)
+    return Routes(perm=perm, pos=pos.view(top_k_index.shape), offsets=offsets)
+
+
+class ExpertsFunction(torch.autograd.Function):
+    """Inputs: hidden (T, H), gate_up (E, 2I, H), down (E, H, I), weights (T, k) contiguous, perm,
+    pos, offsets (see :class:`Routes`), the GEMMs' dtype, gemm path, elementwise ops.
+    Output: (T, H) in hidden's dtype; gradients in their inputs' dtypes."""
+
+    @staticmethod
+    def forward(ctx, hidden, gate_up_param, down_param, weights, perm, pos, offsets, dtype, gemm, ops):
+        n_valid = offsets[-1:]
+        with torch.autocast(hidden.device.type, enabled=False):
+            gate_up, down = gate_up_param.to(dtype), down_param.to(dtype)  # copies only under autocast
+            xs = hidden.to(dtype).index_select(0, perm // pos.shape[1])
+            h = rows_mm(xs, gate_up.transpose(1, 2), offsets, gemm)
+            y = rows_mm(ops["swiglu"](h, n_valid), down.transpose(1, 2), offsets, gemm)
+            out = ops["combine"](y, pos, weights, n_valid, hidden.dtype)
+        need_x, need_gate_up, need_down, need_weights = ctx.needs_input_grad[:4]
+        ctx.save_for_backward(xs if need_gate_up else None, h if need_x or need_gate_up or need_down else None,
+                              y if need_weights else None, gate_up, down, weights, perm, pos, offsets)
+        ctx.gemm, ctx.ops, ctx.hidden_dtype, ctx.param_dtype = gemm, ops, hidden.dtype, gate_up_param.dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        xs, h, y, gate_up, down, weights, perm, pos, offsets = ctx.saved_tensors
+        need_x, need_gate_up, need_down, need_weights = ctx.needs_input_grad[:4]
+        gemm, ops = ctx.gemm, ctx.ops
+        n_valid = offsets[-1:]
+        dx = d_gate_up = d_down = None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            dy, dw = ops["combine_backward"](grad_out.contiguous(), y if need_weights else None, perm, weights,
+                                             n_valid, gate_up.dtype)
+            if need_x or need_gate_up or need_down:
+                dh, a = ops["swiglu_backward"](h, rows_mm(dy, down, offsets, gemm), n_valid)
+                d_down = wgrad_mm(dy, a, offsets, gemm).to(ctx.param_dtype) if need_down else None
+                del dy, a
+                d_gate_up = wgrad_mm(dh, xs, offsets, gemm).to(ctx.param_dtype) if need_gate_up else None
+                if need_x:
+                    dx = ops["combine"](rows_mm(dh, gate_up, offsets, gemm), pos, None, n_valid, ctx.hidden_dtype)
+        return dx, d_gate_up, d_down, dw, None, None, None, None, None, None
+
+
+def experts_forward(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    gemm: str | None = None,
+    elementwise: str = "auto",
+) -> torch.Tensor:
+    """SwiGLU mixture of experts: ``sum_j w[t, j] * down[e] @ (silu(gate[e] @ x_t) * (up[e] @ x_t))``.
+
+    Args:
+        hidden_states: (T, H).
+        top_k_index: (T, k) integer expert ids; ids outside [0, E) are dropped (they contribute 0).
+        top_k_weights: (T, k) floating routing weights.
+        gate_up_proj: (E, 2I, H), gate rows first. down_proj: (E, H, I), same dtype. The GEMMs run in
+            this dtype, or in autocast's when autocast is on (as ``F.linear`` would); hidden states are
+            cast to it; the recombine runs in float32.
+        gemm: "auto" (default; ``FLCE_EXPERTS_GEMM`` overrides), "triton", "triton_tma", "grouped_mm"
+            or "loop", see :mod:`flce.kernels.experts_dispatch`.
+        elementwise: "auto", "triton" or "torch" for the SwiGLU and combine kernels.
+    Returns:
+        (T, H) in hidden_states' dtype.
+    """
+    _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    gemm = gemm if gemm is not None else os.environ.get("FLCE_EXPERTS_GEMM", "auto")
+    device = hidden_states.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else gate_up_proj.dtype
+    ops = elementwise_ops(resolve_elementwise(elementwise, device, dtype))
+    routes = route_pairs(top_k_index, gate_up_proj.shape[0])
+    return ExpertsFunction.apply(hidden_states, gate_up_proj, down_proj, top_k_weights.contiguous(),
+                                 routes.perm, routes.pos, routes.offsets, dtype, gemm, ops)
+
+
+def _check(hidden, index, weights, gate_up, down) -> None:
+    for name, t in (("hidden_states", hidden), ("top_k_weights", weights), ("gate_up_proj", gate_up),
+                    ("down_proj", down)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+        raise TypeError(f"top_k_index must be an integer tensor, got {index.dtype}")
+    if down.dtype != gate_up.dtype:
+        raise TypeError(f"down_proj ({down.dtype}) and gate_up_proj ({gate_up.dtype}) must share a dtype")
+    if hidden.dim() != 2 or index.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        raise ValueError("expected hidden_states (T, H), top_k_index (T, k), gate_up_proj (E, 2I, H) and "
+                         f"down_proj (E, H, I); got {_shapes(hidden, index, gate_up, down)}")
+    experts, two_inter, hid = gate_up.shape
+    if (hid != hidden.shape[1] or two_inter % 2 or tuple(down.shape) != (experts, hid, two_inter // 2)
+            or index.shape[0] != hidden.shape[0]):
+        raise ValueError("expected hidden_states (T, H), top_k_index (T, k), gate_up_proj (E, 2I, H) and "
+                         f"down_proj (E, H, I); got {_shapes(hidden, index, gate_up, down)}")
+    if weights.shape != index.shape:
+        raise ValueError(f"top_k_weights {tuple(weights.shape)} must match top_k_index {tuple(index.shape)}")
+    devices = {t.device for t in (hidden, index, weights, gate_up, down)}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _shapes(*tensors: torch.Tensor) -> str:
+    return ", ".join(str(tuple(t.shape)) for t in tensors)
+
+
+# ------------------------------------------------------------------------------ transformers backend
+
+def _fused_layout(experts: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
+    """True for Mixtral-style experts: concatenated gate/up, not transposed, no bias, SiLU gate."""
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        return False
+    variants = ("has_bias", "is_transposed", "experts_are_transposed", "has_post_expert_norm")
+    if any(getattr(experts, flag, False) for flag in variants):
+        return False
+    if not (getattr(experts, "has_gate", True) and getattr(experts, "is_concatenated", True)):
+        return False
+    if getattr(experts, "gate_up_proj_bias", None) is not None or getattr(experts, "down_proj_bias", None) is not None:
+        return False
+    custom_gate = getattr(type(experts), "_apply_gate", None)
+    if custom_gate is not None and custom_gate.__name__ != "_default_apply_gate":
+        return False
+    if type(getattr(experts, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+        return False
+    return (gate_up.dim() == 3 and down.dim() == 3 and gate_up.shape[2] == hidden_states.shape[-1]
+            and tuple(down.shape) == (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2))
+
+
+def flce_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The ``ExpertsInterface`` entry: (T, H) hidden states, (T, k) ids and weights -> (T, H).
+
+    Experts of another layout (bias, transposed weights, another activation) run transformers'
+    ``grouped_mm`` backend (or the module's eager forward where that is missing).
+    """
+    if _fused_layout(self, hidden_states):
+        return experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    fallback = ALL_EXPERTS_FUNCTIONS.get("grouped_mm") or type(self).forward.__wrapped__
+    return fallback(self, hidden_states, top_k_index, top_k_weights)
+
+
+def register_experts_backend(name: str = BACKEND_NAME) -> bool:
+    """Register :func:`flce_experts_forward` with transformers; False (quietly) without ExpertsInterface."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except Exception:  # noqa: BLE001 - no transformers, an old one, or a broken install: nothing to register
+        return False
+    ExpertsInterface.register(name, flce_experts_forward)
+    return True
+
+
+REGISTERED = register_experts_backend()

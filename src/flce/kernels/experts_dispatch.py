@@ -1,0 +1,209 @@
+"""Which implementation runs each stage of the experts layer, chosen per shape by measuring.
+
+GEMM paths (see ``experts_triton`` / ``experts_torch``):
+
+- ``"triton"``: flce's grouped GEMM kernels (CUDA; the CPU interpreter when asked for by name).
+- ``"triton_tma"``: the same with TMA loads for the row-grouped GEMMs (Hopper+; the weight-gradient
+  GEMMs, whose rows are cut at expert boundaries, stay on ``"triton"``).
+- ``"grouped_mm"``: torch's grouped GEMM (CUTLASS on sm90/sm100, bfloat16 only on CUDA).
+- ``"loop"``: one ``mm`` per expert after reading the offsets on the host (exact, any dtype; a host sync
+  on CUDA, so not graph-safe; the CPU default and the CUDA fallback for other dtypes).
+- ``"auto"``: on CUDA, every graph-safe path that can run is timed once per problem (role, dtypes,
+  sizes, rows rounded to a power of two) and the fastest is kept: cuBLAS-style grouped GEMMs are known
+  to pick poor tile plans at some shapes, so nothing is assumed. While a CUDA graph is being captured
+  (or under torch.compile) nothing is timed: the choice already made, else the first candidate, runs.
+  Run one step before capturing (Triton's own autotuning needs that too).
+
+Elementwise stages (SwiGLU, combine) use Triton on CUDA and torch elsewhere unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+from . import experts_torch as twin
+from . import triton_available
+
+GEMM_PATHS = ("auto", "triton", "triton_tma", "grouped_mm", "loop")
+ELEMENTWISE_BACKENDS = ("auto", "triton", "torch")
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TIMING_REPS = 3
+_choices: dict[tuple, str] = {}
+
+
+def clear_choices() -> None:
+    """Forget the measured GEMM choices (they are kept for the life of the process)."""
+    _choices.clear()
+
+
+def chosen_paths() -> dict[tuple, str]:
+    """The GEMM path measured fastest per problem key so far (a copy, for reports and benchmarks)."""
+    return dict(_choices)
+
+
+# ------------------------------------------------------------------------------------ availability
+
+def _triton_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    return dtype in _TRITON_DTYPES and triton_available(device)
+
+
+def _grouped_mm_ok(device: torch.device, dtype: torch.dtype, operands: tuple[torch.Tensor, ...],
+                   kind: str = "rows") -> bool:
+    """torch's grouped GEMM without a host sync: CUTLASS kernels (sm90/sm100, bf16) and 16-byte strides.
+
+    Weight gradients only on sm90: on sm100 an expert without rows gets a non-zero gradient
+    (pytorch/pytorch#172439).
+    """
+    if not twin.has_grouped_mm():
+        return False
+    if device.type == "cuda":
+        arch = torch.cuda.get_device_capability(device)[0]
+        if dtype != torch.bfloat16 or arch not in ((9,) if kind == "wgrad" else (9, 10)):
+            return False
+    elif dtype not in _TRITON_DTYPES:
+        return False
+    align = 16 // dtype.itemsize
+    return all(t.data_ptr() % 16 == 0 and all(s % align == 0 for s in t.stride() if s != 1) for t in operands)
+
+
+def _tma_ok(device: torch.device, dtype: torch.dtype, operands: tuple[torch.Tensor, ...]) -> bool:
+    if not _triton_ok(device, dtype):
+        return False
+    from .experts_triton import tma_ok
+
+    return tma_ok(*operands)
+
+
+def _candidates(path: str, kind: str, device: torch.device, dtype: torch.dtype,
+                operands: tuple[torch.Tensor, ...]) -> list[str]:
+    if path not in GEMM_PATHS:
+        raise ValueError(f"gemm must be one of {GEMM_PATHS}, got {path!r}")
+    if path == "triton_tma" and kind == "wgrad":
+        path = "triton"
+    if path == "triton_tma" and not _tma_ok(device, dtype, operands):
+        raise ValueError(f"gemm='triton_tma' cannot run {dtype} on {device.type} here (needs triton 3.4+, a "
+                         "Hopper GPU or the CPU interpreter, float16/bfloat16, and 16-byte aligned operands)")
+    if path in ("triton", "triton_tma") and not _triton_ok(device, dtype):
+        raise ValueError(f"gemm='triton' cannot run {dtype} on {device.type} here (needs CUDA, or "
+                         "TRITON_INTERPRET=1 on the CPU, and a float16/bfloat16/float32 dtype)")
+    if path == "grouped_mm" and not _grouped_mm_ok(device, dtype, operands, kind):
+        raise ValueError(f"gemm='grouped_mm' cannot run {dtype} on {device.type} here (needs torch's grouped_mm, "
+                         "bfloat16 on an sm90/sm100 GPU, and 16-byte aligned strides)")
+    if path != "auto":
+        return [path]
+    if device.type != "cuda":
+        return ["loop"]
+    found = [name for name, ok in (("triton", _triton_ok(device, dtype)),
+                                   ("triton_tma", kind == "rows" and _tma_ok(device, dtype, operands)),
+                                   ("grouped_mm", _grouped_mm_ok(device, dtype, operands, kind))) if ok]
+    return found or ["loop"]
+
+
+# ------------------------------------------------------------------------------------ measuring
+
+def _can_measure(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return False
+    compiler = getattr(torch, "compiler", None)
+    return not (compiler is not None and compiler.is_compiling())
+
+
+def _time_ms(fn: Callable[[], object]) -> float:
+    fn()  # compiles and autotunes outside the timing
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(_TIMING_REPS):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / _TIMING_REPS
+
+
+def _pick(key: tuple, candidates: list[str], run: Callable[[str], torch.Tensor], device: torch.device) -> str:
+    if len(candidates) == 1:
+        return candidates[0]
+    if key in _choices:
+        return _choices[key]
+    if not _can_measure(device):
+        return candidates[0]
+    timings = {}
+    for name in candidates:
+        try:
+            timings[name] = _time_ms(lambda n=name: run(n))
+        except Exception as exc:  # noqa: BLE001 - a path that cannot run this problem is just not a candidate
+            warnings.warn(f"flce experts: GEMM path {name!r} failed on {key}: {exc}", stacklevel=3)
+    _choices[key] = min(timings, key=timings.get) if timings else candidates[0]
+    return _choices[key]
+
+
+def _key(role: str, *tensors: torch.Tensor, experts: int) -> tuple:
+    rows = tensors[0].shape[0]
+    bucket = 1 << max(0, (rows - 1).bit_length())
+    layout = tuple((t.dtype, tuple(t.shape[1:]), tuple(s == 1 for s in t.stride())) for t in tensors)
+    return (role, tensors[0].device, experts, bucket, layout)
+
+
+# ------------------------------------------------------------------------------------ GEMMs
+
+_ROWS = {"triton": "grouped_rows_triton", "triton_tma": "grouped_rows_tma_triton", "grouped_mm": twin.grouped_rows_mm,
+         "loop": twin.grouped_rows_loop}
+_WGRAD = {"triton": "grouped_wgrad_triton", "grouped_mm": twin.grouped_wgrad_mm, "loop": twin.grouped_wgrad_loop}
+
+
+def _impl(table: dict, name: str):
+    fn = table[name]
+    if isinstance(fn, str):  # Triton is imported only when it runs
+        from . import experts_triton
+
+        fn = getattr(experts_triton, fn)
+    return fn
+
+
+def rows_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, path: str = "auto") -> torch.Tensor:
+    """out[r] = a[r] @ w[e] for the rows of each expert e: a (S, K), w (E, K, N) (any strides) -> (S, N).
+
+    ``offsets`` (E + 1,) int32: expert e owns rows [offsets[e], offsets[e+1]); rows past offsets[E] of
+    the result are unspecified.
+    """
+    cands = _candidates(path, "rows", a.device, a.dtype, (a, w))
+    if a.shape[0] == 0:
+        return a.new_empty(0, w.shape[2])
+    name = _pick(_key("rows", a, w, experts=w.shape[0]), cands, lambda n: _impl(_ROWS, n)(a, w, offsets), a.device)
+    return _impl(_ROWS, name)(a, w, offsets)
+
+
+def wgrad_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, path: str = "auto") -> torch.Tensor:
+    """out[e] = a[rows of e]^T @ b[rows of e]: a (S, M), b (S, N) -> (E, M, N); zeros for empty experts."""
+    experts = offsets.numel() - 1
+    cands = _candidates(path, "wgrad", a.device, a.dtype, (a, b))
+    if a.shape[0] == 0:  # no rows at all (torch's grouped_mm rejects a zero-length reduction)
+        return a.new_zeros(experts, a.shape[1], b.shape[1])
+    name = _pick(_key("wgrad", a, b, experts=experts), cands, lambda n: _impl(_WGRAD, n)(a, b, offsets), a.device)
+    return _impl(_WGRAD, name)(a, b, offsets)
+
+
+# ------------------------------------------------------------------------------------ elementwise
+
+def resolve_elementwise(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """'auto' is Triton on CUDA for float16/bfloat16/float32 and torch otherwise."""
+    if backend not in ELEMENTWISE_BACKENDS:
+        raise ValueError(f"elementwise must be one of {ELEMENTWISE_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_ok(device, dtype) else "torch"
+    if backend == "triton" and not _triton_ok(device, dtype):
+        raise ValueError(f"elementwise='triton' cannot run {dtype} on {device.type} here")
+    return backend
+
+
+def elementwise_ops(backend: str) -> dict[str, Callable]:
+    """swiglu, swiglu_backward, combine, combine_backward for a resolved backend."""
+    if backend == "triton":
+        from . import experts_triton as k
+
+        return {"swiglu": k.swiglu_triton, "swiglu_backward": k.swiglu_backward_triton,
+                "combine": k.combine_triton, "combine_backward": k.combine_backward_triton}
+    return {"swiglu": twin.swiglu_torch, "swiglu_backward": twin.swiglu_backward_torch,
+            "combine": twin.combine_torch, "combine_backward": twin.combine_backward_torch}

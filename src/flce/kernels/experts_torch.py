@@ -1,0 +1,104 @@
+"""Torch twins of the experts kernels (same contracts as ``experts_triton``), plus torch's grouped_mm.
+
+``grouped_*_loop`` run one ``mm`` per expert after reading the offsets on the host: exact for every
+dtype and device, the CPU default, but a host sync on CUDA (not for graph capture). ``grouped_*_mm``
+call torch's own grouped GEMM (``F.grouped_mm`` / ``torch._grouped_mm``), which keeps the offsets on
+the device. Elementwise twins compute in float32 (float64 for float64 data).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _segments(offsets: torch.Tensor):
+    bounds = offsets.tolist()
+    return [(e, start, end) for e, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
+
+
+def grouped_rows_loop(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """out[r] = a[r] @ w[e] for the rows of each expert e; a (S, K), w (E, K, N) -> (S, N)."""
+    out = torch.empty(a.shape[0], w.shape[2], dtype=a.dtype, device=a.device)
+    for e, start, end in _segments(offsets):
+        torch.mm(a[start:end], w[e], out=out[start:end])
+    return out
+
+
+def grouped_wgrad_loop(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """out[e] = a[rows of e]^T @ b[rows of e]; a (S, M), b (S, N) -> (E, M, N), zero for empty experts."""
+    out = torch.zeros(offsets.numel() - 1, a.shape[1], b.shape[1], dtype=a.dtype, device=a.device)
+    for e, start, end in _segments(offsets):
+        torch.mm(a[start:end].t(), b[start:end], out=out[e])
+    return out
+
+
+def _grouped_mm():
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def has_grouped_mm() -> bool:
+    return _grouped_mm() is not None
+
+
+def grouped_rows_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_rows_loop` through torch's grouped GEMM (rows past offsets[-1] are left unwritten)."""
+    return _grouped_mm()(a, w, offs=offsets[1:])
+
+
+def grouped_wgrad_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_wgrad_loop` through torch's grouped GEMM (K-grouped: both operands ragged)."""
+    return _grouped_mm()(a.t(), b, offs=offsets[1:])
+
+
+def swiglu_torch(h: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    """silu(h[:, :I]) * h[:, I:] for h (S, 2I); returns (S, I). (``n_valid`` is the Triton twin's row
+    limit; here every row is computed, rows past it being don't-cares.)"""
+    gate, up = h.to(_acc_dtype(h.dtype)).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(h.dtype)
+
+
+def swiglu_backward_torch(h: torch.Tensor, da: torch.Tensor,
+                          n_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh (S, 2I), a (S, I)) from h (S, 2I) and da (S, I); ``a`` is written over ``da``."""
+    acc = _acc_dtype(h.dtype)
+    gate, up = h.to(acc).chunk(2, dim=-1)
+    grad = da.to(acc)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    dh = torch.cat([grad * up * sig * (1 + gate * (1 - sig)), grad * silu], dim=-1).to(h.dtype)
+    da.copy_(silu * up)
+    return dh, da
+
+
+def combine_torch(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None, n_valid: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * y[pos[t, j]], float32 sum, rows at or past n_valid count as 0."""
+    tokens, top_k = pos.shape
+    acc = _acc_dtype(y.dtype)
+    rows = y.index_select(0, pos.reshape(-1)).view(tokens, top_k, y.shape[1]).to(acc)
+    keep = (pos < n_valid).unsqueeze(-1)
+    if weights is not None:
+        rows = rows * weights.to(acc).unsqueeze(-1)
+    return torch.where(keep, rows, 0.0).sum(1).to(out_dtype)
+
+
+def combine_backward_torch(grad: torch.Tensor, y: torch.Tensor | None, perm: torch.Tensor, weights: torch.Tensor,
+                           n_valid: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dy (S, H) = weight * grad[token] per sorted row (0 past n_valid); d weights (T, k) when y is given."""
+    top_k = weights.shape[1]
+    acc = _acc_dtype(grad.dtype)
+    valid = (torch.arange(perm.numel(), device=perm.device) < n_valid).unsqueeze(-1)
+    g = grad.index_select(0, perm // top_k).to(acc)
+    w = weights.reshape(-1).index_select(0, perm).to(acc).unsqueeze(-1)
+    dy = torch.where(valid, g * w, 0.0).to(dtype)
+    if y is None:
+        return dy, None
+    dots = torch.where(valid, g * y.to(acc), 0.0).sum(1)
+    dw = torch.empty(perm.numel(), dtype=weights.dtype, device=weights.device)
+    dw[perm] = dots.to(weights.dtype)
+    return dy, dw.view_as(weights)
