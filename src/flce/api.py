@@ -66,6 +66,16 @@ def linear_cross_entropy(
             syncs with the host once. False makes the call sync-free (CUDA-graph capture): targets
             are then trusted and ignored rows are computed and zeroed.
     """
+    from .distributed import is_dtensor  # lazy: distributed imports this module
+
+    if is_dtensor(linear_weight):  # vocab-sharded (Shard(0)) or replicated DTensor weight
+        from .distributed import linear_cross_entropy_dtensor
+
+        return linear_cross_entropy_dtensor(
+            input, linear_weight, target, linear_bias=linear_bias, weight=weight, reduction=reduction,
+            ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            temperature=temperature, num_items_in_batch=num_items_in_batch, accum_dtype=accum_dtype,
+            chunk_size=chunk_size, backend=backend, return_stats=return_stats, validate_target=validate_target)
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction)
     _check_tensors(input, linear_weight, target, linear_bias, weight)
     if reduction == "none" and num_items_in_batch is not None:

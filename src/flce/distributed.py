@@ -1,0 +1,453 @@
+"""Vocab-parallel fused linear + cross-entropy: the (V, H) weight is split by rows over a process group.
+
+Every rank holds the same input and target and a contiguous slice of the vocabulary. Per chunk of
+rows each rank computes its slice of the logits; the ranks agree on the softmax with two small
+all-reduces (MAX of the row maxima, then one SUM of [sum of exp rescaled to the global max, target
+logit, smoothing sum]); each rank then writes its slice's gradient over its logits and runs the
+grad_weight GEMM for its rows of W. grad_input is the sum over ranks of dlogits @ W_shard: one
+all-reduce over the whole grad_input at the end. Neither logits nor weights travel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .api import (
+    LossStats,
+    _check_and_compact,
+    _check_tensors,
+    _compute_dtype,
+    _reduction_scale,
+    _scatter_rows,
+    _stats,
+)
+from .function import _CONSUMED, ChunkGrads, LossParts, scale_grad
+from .gemm import mm_into
+from .kernels import resolve_backend
+from .kernels.ce_vocab_parallel import ROW_MAX, STATS, SUM_EXP, SUM_LOGITS, TARGET_LOGIT, shard_grad, shard_stats
+from .options import LossOptions
+from .planner import ChunkPlan, plan_chunks
+
+__all__ = [
+    "ShardLayout",
+    "is_dtensor",
+    "learn_layout",
+    "linear_cross_entropy_dtensor",
+    "vocab_parallel_linear_cross_entropy",
+]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How the vocabulary is split: ``sizes[r]`` rows of W on rank r of the group, in rank order."""
+
+    sizes: tuple[int, ...]
+    rank: int
+
+    @property
+    def start(self) -> int:
+        return sum(self.sizes[: self.rank])
+
+    @property
+    def end(self) -> int:
+        return self.start + self.sizes[self.rank]
+
+    @property
+    def vocab(self) -> int:
+        return sum(self.sizes)
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What the chunk loop needs besides tensors."""
+
+    opts: LossOptions
+    plan: ChunkPlan
+    compute_dtype: torch.dtype
+    backend: str
+    layout: ShardLayout
+    group: dist.ProcessGroup | None
+    want_correct: bool
+
+
+@dataclass
+class _Rows:
+    """Per-row facts for all n rows. local: (n,) int64 target column in this shard, -1 if elsewhere or
+    ignored; valid: (n,) bool; target_weight: (n,) float32 class weight of the target (1 without)."""
+
+    local: torch.Tensor
+    valid: torch.Tensor
+    target_weight: torch.Tensor
+
+
+@dataclass
+class _Classes:
+    """Class weights: ``local`` (V_local,) float32 slice or None; ``total`` their sum over all V (a 0-d
+    float32 tensor, or V as a float without class weights: no host-to-device copy)."""
+
+    local: torch.Tensor | None
+    total: torch.Tensor | float
+
+
+@torch.compiler.disable  # collectives and data-dependent control flow: one graph break, exact result
+def vocab_parallel_linear_cross_entropy(
+    input: torch.Tensor,
+    linear_weight_shard: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    shard_sizes: tuple[int, ...] | list[int] | None = None,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    accum_dtype: torch.dtype | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+    return_stats: bool = False,
+    validate_target: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, LossStats]:
+    """``flce.linear_cross_entropy`` with the vocabulary split over the ranks of ``group``.
+
+    Every rank passes the same ``input`` and ``target`` and its own contiguous slice of the weight;
+    every rank gets the loss of the full weight, the full grad_input, and the gradient of its own
+    slice (and of its bias slice). For reduction="none" the backward's grad_output must also be the
+    same on every rank (true when what follows the loss is replicated).
+
+    Args:
+        input: (..., H), same on every rank. linear_weight_shard: (V_r, H), rows
+            [start_r, start_r + V_r) of the full (V, H) weight, ranks in order (V_r may differ, even be
+            0). target: (...) global class indices, same on every rank.
+        group: the process group over which the vocabulary is split (None: the default group).
+        shard_sizes: every rank's V_r, if known (skips learning it with an all-gather).
+        linear_bias: (V_r,) this rank's slice of the bias, or None.
+        weight: (V,) class weights over the full vocabulary, the same on every rank, or None.
+        Other options: as in ``flce.linear_cross_entropy``. ``return_stats``' accuracy counts a tie
+        for the top logit as a hit. ``validate_target`` also checks that the shard sizes agree and
+        that the target is the same on every rank (a weight sharded by FSDP must be unsharded first).
+
+    Host syncs: one to learn the layout (skipped with ``shard_sizes`` and validate_target=False, the
+    sync-free setting), one for validation, as in the single-GPU function.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("vocab_parallel_linear_cross_entropy needs an initialized torch.distributed "
+                           "process group; on one device use flce.linear_cross_entropy")
+    opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction)
+    _check_tensors(input, linear_weight_shard, target, linear_bias, None)
+    _check_run_options(reduction, num_items_in_batch, chunk_size, accum_dtype)
+    backend = resolve_backend(backend, input.device)
+    compute_dtype = _compute_dtype(input, linear_weight_shard, linear_bias)
+
+    hidden, local_vocab = input.shape[-1], linear_weight_shard.shape[0]
+    x = input.reshape(-1, hidden)
+    t = target.reshape(-1).long().contiguous()
+    valid = t != ignore_index
+    layout = learn_layout(local_vocab, t, group, shard_sizes, check=validate_target)
+    _check_class_weight(weight, layout.vocab, input.device)
+    rows = None
+    if validate_target and t.numel():
+        rows = _check_and_compact(t, valid, layout.vocab)
+        if rows is not None:
+            x, t = x.index_select(0, rows), t.index_select(0, rows)
+
+    class_w = weight.float().contiguous() if weight is not None else None
+    scale = None if reduction == "none" else _reduction_scale(t, valid, class_w, opts, num_items_in_batch)
+    plan = plan_chunks(x.shape[0], local_vocab, compute_dtype, linear_weight_shard.dtype,
+                       chunk_size=chunk_size, accum_dtype=accum_dtype)
+    setup = _Setup(opts, plan, compute_dtype, backend, layout, group, return_stats)
+    row_facts, classes = _row_facts(t, class_w, layout, opts)
+    args = (x, linear_weight_shard, linear_bias)
+    if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args):
+        loss, lse, correct = VocabParallelFunction.apply(*args, row_facts, classes, scale, setup)
+    else:
+        parts, _ = _chunk_loop(*args, row_facts, classes, setup, None, (False, False, False))
+        loss = parts.loss if scale is None else parts.loss.sum() * scale
+        lse, correct = parts.lse, parts.correct
+
+    if reduction == "none":
+        loss = _scatter_rows(loss, rows, valid.numel()).reshape(target.shape)
+    if not return_stats:
+        return loss
+    return loss, _stats(lse, correct, valid, rows, scale, opts, target.shape)
+
+
+def learn_layout(local_vocab: int, target: torch.Tensor, group: dist.ProcessGroup | None,
+                 shard_sizes=None, *, check: bool = True) -> ShardLayout:
+    """Every rank's vocabulary slice, from ``shard_sizes`` or an all-gather over ``group``.
+
+    The all-gather (one host sync) also carries a fingerprint of ``target`` (n,), so that a rank
+    whose target differs from the others' raises instead of silently mixing batches.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if shard_sizes is not None:
+        sizes = tuple(int(s) for s in shard_sizes)
+        if len(sizes) != world or min(sizes) < 0:
+            raise ValueError(f"shard_sizes {sizes} must list {world} sizes >= 0, one per rank of the group")
+        if not check:  # trusted, as the caller asked for no communication: only this rank's size is checked
+            if sizes[rank] != local_vocab:
+                raise ValueError(f"shard_sizes {sizes} give rank {rank} {sizes[rank]} rows, its "
+                                 f"linear_weight_shard has {local_vocab}")
+            return ShardLayout(sizes, rank)
+    mine = torch.stack([torch.tensor(local_vocab, device=target.device),
+                        torch.tensor(target.numel(), device=target.device), _fingerprint(target)])
+    table = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(table, mine, group=group)
+    gathered = torch.stack(table).tolist()  # the one host sync
+    if len({tuple(r[1:]) for r in gathered}) > 1:
+        raise ValueError("target differs across the ranks of the group: vocab-parallel cross-entropy needs "
+                         "the same input and target on every rank (a weight sharded by FSDP must be "
+                         "unsharded first, e.g. by computing the loss inside the module's forward)")
+    learned = tuple(r[0] for r in gathered)
+    if shard_sizes is not None and learned != sizes:  # raised on every rank alike
+        raise ValueError(f"shard_sizes {sizes} disagree with the ranks' weight shards {learned}")
+    return ShardLayout(learned, rank)
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """0-d int64 checksum of class indices; exact (no overflow: terms < 2**32, fewer than 2**31 rows)."""
+    pos = torch.arange(t.numel(), device=t.device)
+    return ((t % 65521 + 1) * (pos % 65519 + 1)).sum()
+
+
+def _check_run_options(reduction, num_items_in_batch, chunk_size, accum_dtype) -> None:
+    if reduction == "none" and num_items_in_batch is not None:
+        raise ValueError("num_items_in_batch cannot be combined with reduction='none'")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
+        raise TypeError(f"accum_dtype must be a floating torch.dtype or None, got {accum_dtype!r}")
+
+
+def _check_class_weight(weight, vocab: int, device: torch.device) -> None:
+    if weight is None:
+        return
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or tuple(weight.shape) != (vocab,):
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight (class weights) must be a floating tensor over the full vocabulary, shape "
+                         f"({vocab},), the same on every rank; got {shape}")
+    if weight.device != device:
+        raise ValueError(f"weight is on {weight.device}, input on {device}")
+
+
+def _row_facts(t: torch.Tensor, class_w: torch.Tensor | None, layout: ShardLayout,
+               opts: LossOptions) -> tuple[_Rows, _Classes]:
+    valid = t != opts.ignore_index
+    local = t - layout.start
+    here = valid & (local >= 0) & (local < layout.sizes[layout.rank])
+    if class_w is None:
+        target_weight = torch.ones(t.shape, dtype=torch.float32, device=t.device)
+        classes = _Classes(None, float(layout.vocab))
+    else:
+        target_weight = class_w[t.clamp(0, layout.vocab - 1)]
+        classes = _Classes(class_w[layout.start:layout.end], class_w.sum())
+    return _Rows(torch.where(here, local, -1), valid, target_weight), classes
+
+
+def _chunk_loop(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: _Rows,
+    classes: _Classes,
+    setup: _Setup,
+    grad_scale: torch.Tensor | None,
+    needs: tuple[bool, bool, bool],
+    saved_lse: torch.Tensor | None = None,
+) -> tuple[LossParts, ChunkGrads]:
+    """Every chunk on this rank's shard; gradients for ``needs`` = (input, weight, bias) when
+    ``grad_scale`` (0-d or (n,)) is given. With ``saved_lse`` (n,) the softmax is already known: no
+    statistics, no forward collectives (the recompute in backward for reduction="none").
+
+    x: (n, H) replicated; weight: (V_r, H); bias: (V_r,) or None.
+    """
+    n, hidden = x.shape
+    dev, plan = x.device, setup.plan
+    w = weight.to(setup.compute_dtype)
+    grad = grad_scale is not None
+    need_x, need_w, need_b = (grad and k for k in needs)
+    parts = LossParts(
+        loss=torch.zeros(n, dtype=torch.float32, device=dev),
+        lse=saved_lse if saved_lse is not None else torch.empty(n, dtype=torch.float32, device=dev),
+        correct=torch.empty(n, dtype=torch.float32, device=dev) if setup.want_correct else None,
+    )
+    grads = ChunkGrads(
+        input=torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None,
+        weight=torch.empty(weight.shape, dtype=plan.accum_dtype, device=dev) if need_w else None,
+        bias=torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_b else None,
+    )
+    if n == 0:  # the same on every rank (the target is replicated): no collectives either
+        if grads.weight is not None:
+            grads.weight.zero_()
+        return parts, grads
+
+    buffer = torch.empty(plan.rows, weight.shape[0], dtype=setup.compute_dtype, device=dev)
+    summing = None  # the grad_input all-reduce, in flight behind the last grad_weight GEMM
+    for i, (start, end) in enumerate(plan.bounds()):
+        chunk = slice(start, end)
+        x_c = x[chunk].to(setup.compute_dtype)
+        logits = buffer[: end - start]
+        torch.mm(x_c, w.t(), out=logits)
+        if bias is not None:
+            logits.add_(bias)
+        if saved_lse is None:
+            _agree_on_softmax(logits, rows, classes, setup, parts, chunk)
+        if not grad:
+            continue
+        scale = grad_scale[chunk] if grad_scale.dim() == 1 else grad_scale.expand(end - start)
+        _write_grad(logits, rows, classes, setup, parts.lse[chunk], scale, chunk)
+        if need_x:
+            mm_into(grads.input[chunk], logits, w, accumulate=False)
+            if end == n:  # each rank holds dlogits @ W_shard for every row: the gradient is their sum
+                summing = dist.all_reduce(grads.input, group=setup.group, async_op=True)
+        if need_w:
+            mm_into(grads.weight, logits.t(), x_c, accumulate=i > 0)
+        if need_b:
+            grads.bias += logits.sum(0, dtype=torch.float32)
+    if summing is not None:
+        summing.wait()
+    return parts, grads
+
+
+def _agree_on_softmax(logits, rows: _Rows, classes: _Classes, setup: _Setup, parts: LossParts,
+                      chunk: slice) -> None:
+    """Partial statistics, two all-reduces, then loss, lse (and hits) of the chunk's rows."""
+    opts, vocab = setup.opts, setup.layout.vocab
+    stats = torch.zeros(STATS, logits.shape[0], dtype=torch.float32, device=logits.device)
+    shard_stats(setup.backend, logits, rows.local[chunk], classes.local, opts, stats)
+    row_max = stats[ROW_MAX].clone()
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=setup.group)
+    stats[SUM_EXP] *= torch.exp(stats[ROW_MAX] - row_max)  # 0 for an empty shard (its max is -inf)
+    dist.all_reduce(stats[SUM_EXP:], group=setup.group)  # sum of exp, target logit, smoothing sum
+    lse = row_max + torch.log(stats[SUM_EXP])
+    z_y, w_y, valid = stats[TARGET_LOGIT], rows.target_weight[chunk], rows.valid[chunk]
+    loss = (1.0 - opts.label_smoothing) * w_y * (lse - z_y)
+    if opts.label_smoothing > 0.0:
+        loss += opts.label_smoothing / vocab * (classes.total * lse - stats[SUM_LOGITS])
+    if opts.z_loss > 0.0:
+        loss += opts.z_loss * lse.square()
+    parts.loss[chunk] = torch.where(valid, loss, 0.0)
+    parts.lse[chunk] = torch.where(valid, lse, 0.0)
+    if parts.correct is not None:  # the target's logit is the top one (ties count as hits)
+        parts.correct[chunk] = (valid & (z_y >= row_max)).float()
+
+
+def _write_grad(logits, rows: _Rows, classes: _Classes, setup: _Setup, lse, scale, chunk: slice) -> None:
+    """dz over this shard's columns, with the per-row coefficients of the full softmax."""
+    opts, vocab = setup.opts, setup.layout.vocab
+    eps = opts.label_smoothing
+    target_coef = (1.0 - eps) * rows.target_weight[chunk]
+    coef = target_coef + eps / vocab * classes.total + 2.0 * opts.z_loss * lse
+    scale = torch.where(rows.valid[chunk], scale.float() / opts.temperature, 0.0)
+    shard_grad(setup.backend, logits, rows.local[chunk], classes.local, lse.contiguous(), coef.contiguous(),
+               target_coef.contiguous(), scale.contiguous(), eps / vocab, opts)
+
+
+class VocabParallelFunction(torch.autograd.Function):
+    """Inputs: x (n, H), weight shard (V_r, H), bias shard, row facts, class weights, grad_scale (0-d
+    reduction scale, or None for reduction='none'), setup. Outputs: loss (0-d, or (n,) for 'none'),
+    lse (n,), correct (n,) or empty."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, rows, classes, grad_scale, setup):
+        needs = tuple(ctx.needs_input_grad[:3])
+        per_row = grad_scale is None
+        parts, grads = _chunk_loop(x, weight, bias, rows, classes, setup, grad_scale, needs)
+        ctx.meta = (rows, classes, setup, x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        if per_row:  # reduction="none": keep the inputs and the softmax, recompute logits in backward
+            ctx.save_for_backward(x, weight, bias, parts.lse)
+            loss = parts.loss
+        else:
+            ctx.grads = grads
+            loss = parts.loss.sum() * grad_scale
+        correct = parts.correct if parts.correct is not None else parts.loss.new_empty(0)
+        ctx.mark_non_differentiable(parts.lse, correct)
+        return loss, parts.lse, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse, _grad_correct):
+        rows, classes, setup, x_dtype, w_dtype, b_dtype = ctx.meta
+        if hasattr(ctx, "grads"):
+            grads = ctx.grads
+            if grads is None:
+                raise RuntimeError(_CONSUMED)
+            ctx.grads = None
+            g = grad_loss.float()
+        else:
+            x, weight, bias, lse = ctx.saved_tensors
+            _, grads = _chunk_loop(x, weight, bias, rows, classes, setup, grad_loss.float().contiguous(),
+                                   tuple(ctx.needs_input_grad[:3]), saved_lse=lse)
+            g = torch.ones((), dtype=torch.float32, device=grad_loss.device)
+        return (
+            scale_grad(grads.input, g, x_dtype),
+            scale_grad(grads.weight, g, w_dtype),
+            scale_grad(grads.bias, g, b_dtype) if b_dtype is not None else None,
+            None, None, None, None,
+        )
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a torch.distributed DTensor (False where torch.distributed is unavailable)."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def linear_cross_entropy_dtensor(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor,
+                                 **options) -> torch.Tensor | tuple[torch.Tensor, LossStats]:
+    """``flce.linear_cross_entropy`` for a DTensor weight: Shard(0) on one mesh dimension routes to the
+    vocab-parallel path over that dimension's group; an all-Replicate weight runs the one-device path.
+
+    input, target: plain tensors or all-Replicate DTensors (the same on every rank of the group).
+    options: those of ``flce.linear_cross_entropy``; ``linear_bias`` must then be a DTensor placed like
+    the weight (or None), class ``weight`` a plain (V,) tensor or a Replicate DTensor.
+    The loss comes back as a plain tensor (the same on every rank).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = linear_weight.placements
+    vocab_dims = [d for d, p in enumerate(placements) if p == Shard(0)]
+    if len(vocab_dims) > 1 or any(p != Replicate() for d, p in enumerate(placements) if d not in vocab_dims):
+        raise ValueError(f"linear_weight must be sharded on dim 0 over at most one mesh dimension and "
+                         f"replicated over the others, got placements {placements}")
+    bias = options.pop("linear_bias", None)
+    if bias is not None and (not is_dtensor(bias) or tuple(bias.placements) != tuple(placements)):
+        raise ValueError(f"linear_bias must be a DTensor with the weight's placements {placements}")
+    local = {"input": _replicated_local(input, "input"), "target": _replicated_local(target, "target")}
+    if options.get("weight") is not None:
+        options["weight"] = _replicated_local(options["weight"], "weight")
+    bias_local = bias.to_local() if bias is not None else None
+    if not vocab_dims:
+        from .api import linear_cross_entropy
+
+        return linear_cross_entropy(local["input"], linear_weight.to_local(), local["target"],
+                                    linear_bias=bias_local, **options)
+    mesh_dim = vocab_dims[0]
+    mesh = linear_weight.device_mesh
+    sizes = _chunk_sizes(linear_weight.shape[0], mesh.size(mesh_dim))
+    return vocab_parallel_linear_cross_entropy(
+        local["input"], linear_weight.to_local(), local["target"], group=mesh.get_group(mesh_dim),
+        shard_sizes=sizes, linear_bias=bias_local, **options)
+
+
+def _replicated_local(t, name: str):
+    if not is_dtensor(t):
+        return t
+    if not all(p.is_replicate() for p in t.placements):
+        raise ValueError(f"{name} must be a plain tensor or a replicated DTensor, got placements {t.placements}")
+    return t.to_local()
+
+
+def _chunk_sizes(vocab: int, world: int) -> tuple[int, ...]:
+    """Rows per rank under DTensor's Shard(0) (torch.chunk's split: ceil(V / world) each, the rest last)."""
+    step = -(-vocab // world)
+    return tuple(max(0, min(step, vocab - r * step)) for r in range(world))

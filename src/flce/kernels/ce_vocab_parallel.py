@@ -1,0 +1,119 @@
+"""The two per-chunk stages of a cross-entropy whose vocabulary is split over ranks.
+
+Stage 1 (``shard_stats``): each rank's partial softmax statistics over its own columns — row max, sum
+of exp(z - max), the target's logit if the target lives here, the (class-weighted) sum of logits for
+label smoothing. The ranks combine them with two all-reduces (see ``flce.distributed``).
+Stage 2 (``shard_grad``): given the global lse and per-row coefficients, the gradient over this
+rank's columns, written over the logits in place.
+
+Each stage has a Triton kernel (one program per row, blocks over the shard's columns, float32
+arithmetic) and a torch twin with the same contract (CPU, and the kernels' test reference).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..options import LossOptions
+
+# Rows of the statistics that shard_stats writes, (STATS, n) float32.
+ROW_MAX, SUM_EXP, TARGET_LOGIT, SUM_LOGITS = range(4)
+STATS = 4
+
+
+def shard_stats(
+    backend: str,
+    logits: torch.Tensor,
+    target_local: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    opts: LossOptions,
+    out: torch.Tensor,
+) -> None:
+    """Partial softmax statistics of this rank's columns.
+
+    Args:
+        logits: (n, V_local) raw logits (before temperature and softcap), rows contiguous.
+        target_local: (n,) int64 column of the target in this shard, -1 where it is not here.
+        class_weight: (V_local,) float32 slice of the class weights, or None.
+        out: (4, n) float32, written: row max of z, sum of exp(z - max), z at the target (0 where
+            target_local is -1), sum_j w_j z_j (only when label smoothing is on, else left unwritten).
+    """
+    if logits.shape[1] == 0:  # an empty shard: neutral elements of max and sum
+        out[ROW_MAX].fill_(float("-inf"))
+        out[SUM_EXP:].zero_()
+        return
+    if logits.shape[0] == 0:
+        return
+    if backend == "triton":
+        from .ce_vocab_parallel_triton import shard_stats_triton
+
+        shard_stats_triton(logits, target_local, class_weight, opts, out)
+    else:
+        _shard_stats_torch(logits, target_local, class_weight, opts, out)
+
+
+def shard_grad(
+    backend: str,
+    logits: torch.Tensor,
+    target_local: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    lse: torch.Tensor,
+    coef: torch.Tensor,
+    target_coef: torch.Tensor,
+    scale: torch.Tensor,
+    smoothing_per_class: float,
+    opts: LossOptions,
+) -> None:
+    """Overwrite this rank's logits with the gradient of the loss with respect to them.
+
+    Per element, with p_j = exp(z_j - lse)::
+
+        dz_j = coef * p_j - smoothing_per_class * w_j - target_coef * [j == target_local]
+
+    chained through softcap, times ``scale``. Rows whose scale is 0 get exact zeros.
+
+    Args:
+        logits: (n, V_local) raw logits, overwritten. target_local: (n,) int64, -1 if not here.
+        class_weight: (V_local,) float32 or None (w_j = 1). lse, coef, target_coef, scale: (n,)
+            float32; ``scale`` already holds grad_output / temperature (0 on ignored rows).
+    """
+    if logits.numel() == 0:
+        return
+    if backend == "triton":
+        from .ce_vocab_parallel_triton import shard_grad_triton
+
+        shard_grad_triton(logits, target_local, class_weight, lse, coef, target_coef, scale,
+                          smoothing_per_class, opts)
+    else:
+        _shard_grad_torch(logits, target_local, class_weight, lse, coef, target_coef, scale,
+                          smoothing_per_class, opts)
+
+
+def _capped_logits(logits: torch.Tensor, opts: LossOptions) -> torch.Tensor:
+    z = logits.float() / opts.temperature
+    return opts.softcap * torch.tanh(z / opts.softcap) if opts.softcap is not None else z
+
+
+def _shard_stats_torch(logits, target_local, class_weight, opts, out) -> None:
+    z = _capped_logits(logits, opts)
+    row_max = z.amax(1)
+    out[ROW_MAX] = row_max
+    out[SUM_EXP] = torch.exp(z - row_max[:, None]).sum(1)
+    here = target_local >= 0
+    z_y = z.gather(1, target_local.clamp(min=0)[:, None])[:, 0]
+    out[TARGET_LOGIT] = torch.where(here, z_y, 0.0)
+    if opts.label_smoothing > 0.0:
+        out[SUM_LOGITS] = (z * class_weight).sum(1) if class_weight is not None else z.sum(1)
+
+
+def _shard_grad_torch(logits, target_local, class_weight, lse, coef, target_coef, scale,
+                      smoothing_per_class, opts) -> None:
+    z = _capped_logits(logits, opts)
+    g = coef[:, None] * torch.exp(z - lse[:, None])
+    if opts.label_smoothing > 0.0:
+        g -= smoothing_per_class * (class_weight if class_weight is not None else 1.0)
+    here = target_local >= 0
+    g.scatter_add_(1, target_local.clamp(min=0)[:, None], torch.where(here, -target_coef, 0.0)[:, None])
+    if opts.softcap is not None:
+        g *= 1.0 - (z / opts.softcap).square()
+    logits.copy_(torch.where(scale[:, None] != 0, g * scale[:, None], 0.0))

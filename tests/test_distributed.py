@@ -1,0 +1,510 @@
+"""flce.distributed over 2 and 3 gloo processes: vocab-parallel loss and gradients against the float64
+reference (even, uneven and empty shards; every option; all-ignored rows), the DTensor entry, and a
+patched tiny Llama under FSDP2 and DDP set up as accelerate does it.
+
+The processes are started once per world size and kept for the module (a ``Cluster``); each test
+sends a function to every rank and asserts on what the ranks send back.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from reference import TOL, assert_close, reference_loss, rel_err
+from test_api import OPTION_SETS, make_case
+
+import flce
+from flce.distributed import (
+    ShardLayout,
+    linear_cross_entropy_dtensor,
+    vocab_parallel_linear_cross_entropy,
+)
+from flce.kernels import triton_available
+from flce.kernels.ce_vocab_parallel import STATS, shard_grad, shard_stats
+from flce.options import LossOptions
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+CPU = torch.device("cpu")
+# Float64 inputs: GEMMs in float64, the softmax in float32 as in the core, so errors sit near 1e-7.
+# Tight enough to catch any wrong term (those show up at 1e-2 and above).
+F64_TOL = 1e-6
+
+
+# --- the process pool ---------------------------------------------------------------------------------
+
+class Cluster:
+    """``world`` processes in one process group; ``run(fn, **kw)`` calls ``fn(rank, world, **kw)`` on
+    every rank and returns the ranks' results in rank order (a failure on any rank raises here).
+    With backend="nccl" rank r works on GPU r."""
+
+    def __init__(self, world: int, backend: str = "gloo"):
+        self.world, self.backend = world, backend
+        self._start()
+
+    def _start(self) -> None:
+        # Ranks fork from a fresh server process that imported these modules once: cheap starts, and
+        # none of this process's state (a BLAS thread pool forked mid-use deadlocks the child's GEMMs).
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__, "transformers", "accelerate"])
+        self.inboxes = [ctx.SimpleQueue() for _ in range(self.world)]
+        self.outbox = ctx.Queue()
+        port = _free_port()
+        self.procs = [ctx.Process(target=_serve, daemon=True,
+                                  args=(r, self.world, self.backend, port, self.inboxes[r], self.outbox))
+                      for r in range(self.world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, **kwargs) -> list:
+        for inbox in self.inboxes:
+            inbox.put((fn, kwargs))
+        replies = {}
+        try:
+            for _ in range(self.world):
+                rank, ok, value = self.outbox.get(timeout=180)
+                replies[rank] = (ok, value)
+        except queue.Empty:
+            replies.update({r: (False, "no answer in 180 s") for r in range(self.world) if r not in replies})
+        failed = {r: v for r, (ok, v) in replies.items() if not ok}
+        if failed:  # a rank may be left inside a collective: start afresh for the next test
+            self.close()
+            self._start()
+            raise AssertionError("\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(failed.items())))
+        return [replies[r][1] for r in range(self.world)]
+
+    def close(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(rank, world, backend, port, inbox, outbox) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        while (job := inbox.get()) is not None:
+            fn, kwargs = job
+            try:
+                outbox.put((rank, True, fn(rank, world, **kwargs)))
+            except BaseException:  # noqa: BLE001 - the traceback goes back to the test
+                outbox.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cluster2():
+    c = Cluster(2)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def cluster3():
+    c = Cluster(3)
+    yield c
+    c.close()
+
+
+# --- what the ranks run -------------------------------------------------------------------------------
+
+def _bounds(sizes, rank: int) -> tuple[int, int]:
+    """[start, end) of rank's rows when the vocabulary is split into ``sizes``, in rank order."""
+    return sum(sizes[:rank]), sum(sizes[: rank + 1])
+
+
+def vocab_parallel_case(rank, world, *, sizes, dtype=torch.float64, shape=(29,), hidden=12,
+                        reduction="mean", backend="torch", device=CPU, autocast=False, **opts):
+    """Relative errors of this rank's loss, grad_input and weight/bias-shard grads against float64.
+    (Also run on GPUs by benchmark/dist_check.py.)"""
+    torch.manual_seed(1234)  # the same full problem on every rank
+    vocab = sum(sizes)
+    case_keys = {k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts}
+    x, w, b, t, cw = make_case(shape, hidden, vocab, dtype, device, **case_keys,
+                               ignore_index=opts.get("ignore_index", -100))
+    start, end = _bounds(sizes, rank)
+    w_shard = w.detach()[start:end].clone().requires_grad_()
+    b_shard = b.detach()[start:end].clone().requires_grad_() if b is not None else None
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = vocab_parallel_linear_cross_entropy(x, w_shard, t, linear_bias=b_shard, weight=cw,
+                                                   reduction=reduction, backend=backend, **opts)
+    for k in ("chunk_size", "accum_dtype", "validate_target", "shard_sizes"):
+        opts.pop(k, None)
+    ref, (x64, w64, b64) = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, reduction=reduction, **opts)
+    assert loss.shape == ref.shape and loss.dtype == torch.float32, (loss.shape, loss.dtype)
+    grad_out = torch.randn(ref.shape, dtype=torch.float64).to(device)
+    loss.backward(grad_out.to(loss.dtype))
+    ref.backward(grad_out)
+    errs = {"loss": rel_err(loss, ref), "grad_input": rel_err(x.grad, x64.grad),
+            "grad_weight": rel_err(w_shard.grad, w64.grad[start:end])}
+    if b is not None:
+        errs["grad_bias"] = rel_err(b_shard.grad, b64.grad[start:end])
+    dtypes = {str(g.dtype) for g in (x.grad, w_shard.grad) + ((b_shard.grad,) if b is not None else ())}
+    return {"errs": errs, "dtypes": dtypes}
+
+
+def _assert_all_close(results, dtype, tol=None):
+    tol = tol or (F64_TOL if dtype == torch.float64 else TOL[dtype])
+    for rank, res in enumerate(results):
+        assert res["dtypes"] == {str(dtype)}, f"rank {rank}: gradient dtypes {res['dtypes']}"
+        for what, err in res["errs"].items():
+            assert err <= tol, f"rank {rank} {what}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("name", list(OPTION_SETS))
+def test_every_option_two_ranks(cluster2, name, reduction):
+    """Float64 inputs: the split softmax is the one-device math, to float32 rounding."""
+    results = cluster2.run(vocab_parallel_case, sizes=(23, 17), reduction=reduction, chunk_size=8,
+                           **dict(OPTION_SETS[name]))
+    _assert_all_close(results, torch.float64)
+
+
+@pytest.mark.parametrize("sizes", [(13, 13, 11), (30, 1, 9), (20, 0, 17)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_uneven_and_empty_shards_three_ranks(cluster3, sizes, reduction):
+    results = cluster3.run(vocab_parallel_case, sizes=sizes, reduction=reduction, chunk_size=7,
+                           **dict(OPTION_SETS["all"]))
+    _assert_all_close(results, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_many_chunks(cluster2, dtype):
+    results = cluster2.run(vocab_parallel_case, sizes=(150, 111), dtype=dtype, shape=(3, 11), hidden=16,
+                           chunk_size=5, label_smoothing=0.1, z_loss=1e-3, ignore=0.2)
+    _assert_all_close(results, dtype)
+
+
+def test_custom_ignore_index_and_autocast(cluster2):
+    results = cluster2.run(vocab_parallel_case, sizes=(23, 17), ignore=0.3, ignore_index=7, chunk_size=8)
+    _assert_all_close(results, torch.float64)
+    results = cluster2.run(vocab_parallel_case, sizes=(23, 17), dtype=torch.float32, autocast=True, bias=True,
+                           label_smoothing=0.1)  # bf16 GEMMs, float32 master weights and gradients
+    _assert_all_close(results, torch.float32, tol=TOL[torch.bfloat16])
+
+
+def _no_grad_case(rank, world):
+    torch.manual_seed(2)
+    x, w, b, t, cw = make_case((17,), 8, 30, torch.float64, CPU, bias=True, weight_cls=True, ignore=0.2)
+    start, end = _bounds((12, 18), rank)
+    errs = []
+    for reduction in ("mean", "none"):
+        kw = dict(reduction=reduction, label_smoothing=0.1)
+        with torch.no_grad():
+            loss = vocab_parallel_linear_cross_entropy(x, w[start:end], t, linear_bias=b[start:end], weight=cw,
+                                                       **kw)
+        errs.append(rel_err(loss, reference_loss(x, w, t, linear_bias=b, weight_cls=cw, **kw)[0]))
+    return errs
+
+
+def test_loss_alone_under_no_grad(cluster2):
+    for rank, errs in enumerate(cluster2.run(_no_grad_case)):
+        assert max(errs) < F64_TOL, (rank, errs)
+
+
+def test_num_items_in_batch_and_sync_free_path(cluster2):
+    """num_items_in_batch as in HF gradient accumulation; with shard_sizes and validate_target=False
+    (no host sync) ignored rows are computed and zeroed, same result."""
+    for extra in ({}, {"shard_sizes": (23, 17), "validate_target": False}):
+        results = cluster2.run(vocab_parallel_case, sizes=(23, 17), reduction="sum", ignore=0.3,
+                               num_items_in_batch=11, **extra)
+        _assert_all_close(results, torch.float64)
+
+
+def _all_ignored_case(rank, world, *, reduction, validate):
+    x = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(5, 8, requires_grad=True)
+    t = torch.full((6,), -100)
+    loss = vocab_parallel_linear_cross_entropy(x, w, t, reduction=reduction, validate_target=validate)
+    loss.sum().backward()
+    return [bool(torch.all(v == 0)) for v in (loss, x.grad, w.grad)]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored_rows_give_zeros(cluster2, reduction):
+    for validate in (True, False):
+        for rank, flags in enumerate(cluster2.run(_all_ignored_case, reduction=reduction, validate=validate)):
+            assert flags == [True, True, True], (rank, validate, flags)
+
+
+def _stats_case(rank, world):
+    torch.manual_seed(5)
+    x, w, _, t, _ = make_case((40,), 16, 30, torch.float64, CPU, ignore=0.25)
+    t[:6] = (x[:6].detach() @ w.detach().T).argmax(1)  # some sure hits
+    start, end = _bounds((18, 12), rank)
+    loss, stats = vocab_parallel_linear_cross_entropy(x, w[start:end], t, z_loss=1e-2, return_stats=True,
+                                                      chunk_size=16)
+    one = flce.linear_cross_entropy(x, w, t, z_loss=1e-2, return_stats=True)[1]
+    return [(getattr(stats, k) - getattr(one, k)).abs().item() for k in ("accuracy", "z_loss", "num_valid")]
+
+
+def test_return_stats_match_one_device(cluster2):
+    for rank, diffs in enumerate(cluster2.run(_stats_case)):
+        assert max(diffs) < F64_TOL, (rank, diffs)
+
+
+def _raises_case(rank, world, *, what):
+    x = torch.randn(4, 8)
+    w = torch.randn(5, 8)
+    t = torch.randint(0, 10, (4,))
+    kwargs = {}
+    if what == "target_out_of_range":
+        t[1] = 10
+    elif what == "target_differs":
+        t[0] = rank
+    elif what == "shard_sizes":
+        kwargs["shard_sizes"] = (5, 6)
+    elif what == "class_weight_shape":
+        kwargs["weight"] = torch.rand(5)
+    try:
+        vocab_parallel_linear_cross_entropy(x, w, t, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("what,match", [
+    ("target_out_of_range", "outside"),
+    ("target_differs", "target differs"),
+    ("shard_sizes", "shard_sizes"),
+    ("class_weight_shape", "full vocabulary"),
+])
+def test_bad_input_raises_on_every_rank(cluster2, what, match):
+    for rank, message in enumerate(cluster2.run(_raises_case, what=what)):
+        assert message is not None and match in message, (rank, message)
+
+
+def test_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="process group"):
+        vocab_parallel_linear_cross_entropy(torch.randn(2, 4), torch.randn(3, 4), torch.tensor([0, 1]))
+
+
+def test_layout():
+    layout = ShardLayout((5, 0, 7), rank=2)
+    assert (layout.start, layout.end, layout.vocab) == (5, 12, 12)
+
+
+# --- DTensor ------------------------------------------------------------------------------------------
+
+def _dtensor_case(rank, world, *, vocab, shard, bias, entry):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(7)
+    x, w, b, t, cw = make_case((21,), 10, vocab, torch.float64, CPU, bias=bias, weight_cls=True, ignore=0.2)
+    mesh = init_device_mesh("cpu", (world,))
+    placement = [Shard(0)] if shard else [Replicate()]
+    w_d = distribute_tensor(w.detach(), mesh, placement).requires_grad_()
+    b_d = distribute_tensor(b.detach(), mesh, placement).requires_grad_() if bias else None
+    fn = flce.linear_cross_entropy if entry == "api" else linear_cross_entropy_dtensor
+    loss = fn(x, w_d, t, linear_bias=b_d, weight=cw, label_smoothing=0.1, softcap=5.0)
+    loss.backward()
+    ref, (x64, w64, b64) = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, label_smoothing=0.1,
+                                          softcap=5.0)
+    ref.backward()
+    errs = [rel_err(loss, ref), rel_err(x.grad, x64.grad), rel_err(w_d.grad.full_tensor(), w64.grad)]
+    if bias:
+        errs.append(rel_err(b_d.grad.full_tensor(), b64.grad))
+    return {"errs": errs, "grad_placements": str(w_d.grad.placements)}
+
+
+@pytest.mark.parametrize("entry", ["dtensor", "api"])
+@pytest.mark.parametrize("vocab,shard,bias", [(37, True, True), (40, True, False), (37, False, True)])
+def test_dtensor_weight(cluster3, vocab, shard, bias, entry):
+    """Shard(0) (torch.chunk's uneven split over 3 ranks) routes to the vocab-parallel path, Replicate to
+    the one-device path, from linear_cross_entropy_dtensor and from flce.linear_cross_entropy; the
+    weight's gradient keeps the weight's placements."""
+    for rank, res in enumerate(cluster3.run(_dtensor_case, vocab=vocab, shard=shard, bias=bias, entry=entry)):
+        assert max(res["errs"]) < F64_TOL, (rank, res)
+        assert res["grad_placements"] == ("(Shard(dim=0),)" if shard else "(Replicate(),)")
+
+
+def _dtensor_bias_mismatch(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    w_d = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
+    try:
+        linear_cross_entropy_dtensor(torch.randn(3, 4), w_d, torch.tensor([0, 1, 2]), linear_bias=torch.randn(6))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_dtensor_bias_must_be_placed_like_the_weight(cluster2):
+    assert all(m and "linear_bias" in m for m in cluster2.run(_dtensor_bias_mismatch))
+
+
+# --- on GPUs with NCCL (as many ranks as GPUs, up to 2; one GPU still runs the CUDA code path) -------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,reduction,name", [(torch.float32, "mean", "all"), (torch.float32, "none", "all"),
+                                                  (torch.bfloat16, "sum", "plain")])
+def test_vocab_parallel_on_gpus_with_nccl(nccl_cluster, dtype, reduction, name):
+    vocab, world = 5003, nccl_cluster.world
+    sizes = [vocab // world] * world
+    sizes[-1] += vocab - sum(sizes)
+    results = nccl_cluster.run(vocab_parallel_case, sizes=sizes, dtype=dtype, shape=(300,), hidden=128,
+                               reduction=reduction, backend="triton", device=torch.device("cuda"),
+                               chunk_size=128, **dict(OPTION_SETS[name]))
+    _assert_all_close(results, dtype)
+
+
+@pytest.fixture(scope="module")
+def nccl_cluster():
+    c = Cluster(min(torch.cuda.device_count(), 2), backend="nccl")
+    yield c
+    c.close()
+
+
+# --- the stage kernels: Triton against the torch twin (once, tiny: the interpreter is slow) ----------
+
+@pytest.mark.parametrize("n,v_local", [pytest.param(5, 37, id="tiny"),
+                                        pytest.param(64, 50_000, id="large", marks=pytest.mark.gpu)])
+def test_stage_kernels_triton_matches_torch(device, n, v_local):
+    if not triton_available(device):
+        pytest.skip("needs triton (CUDA, or TRITON_INTERPRET=1)")
+    opts = LossOptions(label_smoothing=0.1, z_loss=1e-3, softcap=4.0, temperature=1.3)
+    for dtype in (torch.float32, torch.bfloat16):
+        _check_stage_kernels(device, n, v_local, dtype, opts)
+
+
+def _check_stage_kernels(dev, n, v_local, dtype, opts):
+    logits = (torch.randn(n, v_local, device=dev) * 3).to(dtype)
+    target_local = torch.randint(-1, v_local, (n,), device=dev)  # -1: the target is on another rank
+    class_w = torch.rand(v_local, device=dev) + 0.2
+    stats = {b: torch.zeros(STATS, n, device=dev) for b in ("torch", "triton")}
+    for b in stats:
+        shard_stats(b, logits, target_local, class_w, opts, stats[b])
+    for row, what in enumerate(("row max", "sum of exp", "target logit", "sum of logits")):
+        assert_close(stats["triton"][row], stats["torch"][row], 1e-5, what)
+
+    lse = stats["torch"][0] + torch.log(stats["torch"][1]) + 0.3  # as if other ranks added mass
+    coef, target_coef = torch.rand(n, device=dev) + 0.5, torch.rand(n, device=dev)
+    scale = torch.randn(n, device=dev)
+    scale[1] = 0.0  # an ignored row
+    grads = {}
+    for b in ("torch", "triton"):
+        grads[b] = logits.clone()
+        shard_grad(b, grads[b], target_local, class_w, lse, coef, target_coef, scale, 0.1 / 1000, opts)
+    assert_close(grads["triton"].float(), grads["torch"].float(), 1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.all(grads["triton"][1] == 0)
+
+
+# --- patched models under DDP and FSDP2, as accelerate sets them up ---------------------------------
+
+def _tiny_llama(tied: bool, dtype=torch.float64):
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=tied)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
+
+
+def _batches(world: int, vocab: int, device):
+    """One (input_ids, labels) batch per rank, with a different number of ignored labels on each."""
+    out = []
+    for r in range(world):
+        ids = torch.randint(0, vocab, (2, 11))
+        labels = ids.clone()
+        labels[:, : r + 1] = -100
+        out.append((ids.to(device), labels.to(device)))
+    return out
+
+
+def _hf_loss(model, ids, labels):
+    """transformers' own causal-LM loss on materialized logits, whatever forward the model class has."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    logits = model.lm_head(model.model(input_ids=ids).last_hidden_state)
+    return ForCausalLMLoss(logits, labels, vocab_size=model.config.vocab_size)
+
+
+def _prepare(model, wrap: str, mixed_precision: str, device: torch.device):
+    """The model as ``accelerator.prepare`` returns it. Without a GPU accelerate picks DDP whatever the
+    plugin says, so there FSDP2 goes through accelerate's own ``fsdp2_prepare_model``."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    AcceleratorState._reset_state(True)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if wrap == "fsdp2" else None
+    acc = Accelerator(cpu=device.type == "cpu", fsdp_plugin=plugin, mixed_precision=mixed_precision)
+    if wrap == "fsdp2" and acc.distributed_type != DistributedType.FSDP:
+        acc.state.fsdp_plugin = plugin
+        return fsdp2_prepare_model(acc, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # accelerate's FSDP2 prepares the pair only
+    return acc.prepare(model, optimizer)[0]
+
+
+def _uses_fused_loss(loss: torch.Tensor) -> bool:
+    """Whether flce's autograd Function is in the loss's graph (not transformers' own cross-entropy)."""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CrossEntropyFunction" in type(node).__name__:
+            return True
+        todo.extend(n for n, _ in node.next_functions)
+    return False
+
+
+def patched_model_case(rank, world, *, wrap, tied, dtype=torch.float64, device=CPU, mixed_precision="no"):
+    """Relative errors of the patched, wrapped model's loss and gradients against transformers' loss in
+    one process (the mean of the ranks' losses, as DDP and FSDP2 average gradients).
+    (Also run on GPUs by benchmark/dist_check.py.)"""
+    torch.manual_seed(3)
+    model = _tiny_llama(tied, dtype).to(device)
+    batches = _batches(world, model.config.vocab_size, device)
+    ref_model = copy.deepcopy(model)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16"):
+        ref_losses = [_hf_loss(ref_model, ids, labels) for ids, labels in batches]
+    torch.stack(ref_losses).mean().backward()
+
+    flce.apply_flce_patch(model)
+    wrapped = _prepare(model, wrap, mixed_precision, device)
+    ids, labels = batches[rank]
+    loss = wrapped(input_ids=ids, labels=labels).loss
+    loss.backward()
+    errs = {"loss": rel_err(loss, ref_losses[rank])}
+    ref_grads = dict(ref_model.named_parameters())
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        errs[name] = rel_err(grad, ref_grads[name].grad)
+    return {"errs": errs, "fused": _uses_fused_loss(loss)}
+
+
+@pytest.mark.parametrize("wrap,tied", [("ddp", False), ("fsdp2", False), ("fsdp2", True)])
+def test_patched_llama_under_ddp_and_fsdp2(cluster2, wrap, tied):
+    for rank, res in enumerate(cluster2.run(patched_model_case, wrap=wrap, tied=tied)):
+        assert res["fused"], f"rank {rank}: the loss did not go through flce"
+        errs = res["errs"]
+        worst = max(errs, key=errs.get)
+        assert errs[worst] < F64_TOL, f"rank {rank}: {worst} relative error {errs[worst]:.3g}"
