@@ -110,6 +110,23 @@ def measure(fn: Callable[[], Any], args, flops: float) -> dict[str, Any]:
     return out
 
 
+def wanted(args, names: Iterable[str], key: str) -> list[str]:
+    """The names the user kept with --methods/--modes (``key``), in the suite's order; all by default."""
+    chosen = getattr(args, key, None)
+    return list(names) if not chosen else [n for n in names if n in chosen.split(",")]
+
+
+def add_speedup(rows: list[dict], column: str, baselines: Iterable[str], keys: tuple[str, ...]) -> list[dict]:
+    """rows[column] = the baseline method's median over this row's, matching rows on ``keys``."""
+    baselines = set(baselines)
+    base = {tuple(r[k] for k in keys): r["median_ms"] for r in rows if r["method"] in baselines}
+    for r in rows:
+        ref = base.get(tuple(r[k] for k in keys), NAN)
+        ok = all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in (ref, r["median_ms"]))
+        r[column] = ref / r["median_ms"] if ok else NAN
+    return rows
+
+
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12 if ms and ms > 0 else NAN
 

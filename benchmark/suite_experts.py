@@ -23,13 +23,12 @@ flce's Triton kernels (with and without TMA loads), torch's grouped_mm, and ``cu
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 
 import torch
 
-from common import NAN, make_row, measure, plot_lines, progress
+from common import add_speedup, make_row, measure, plot_lines, progress, wanted
 
 NAME = "experts"
 COLUMNS = ["method", "mode", "shape", "routing", "median_ms", "tflops", "x_grouped_mm", "peak_mb", "paths",
@@ -180,11 +179,6 @@ def gemm_fns(cell: Cell, problem: Problem) -> dict[str, tuple[float, dict]]:
 
 # ---------------------------------------------------------------- the suite
 
-def _wanted(args, names, key: str) -> list[str]:
-    chosen = getattr(args, key, None)
-    return list(names) if not chosen else [n for n in names if n in chosen.split(",")]
-
-
 def _extras(cell: Cell) -> dict:
     return dict(routing=cell.routing, dtype=DTYPES[cell.dtype], T=cell.tokens, H=cell.hidden, I=cell.inter,
                 E=cell.experts, k=cell.top_k)
@@ -194,8 +188,8 @@ def run(args) -> list[dict]:
     from flce.kernels import experts_dispatch as dispatch
 
     gpu = args.device.type == "cuda"
-    methods = [m for m in _wanted(args, LAYER_METHODS, "methods") if gpu or not m.startswith("flce:")]
-    modes = _wanted(args, ("fwd", "fwd+bwd"), "modes")
+    methods = [m for m in wanted(args, LAYER_METHODS, "methods") if gpu or not m.startswith("flce:")]
+    modes = wanted(args, ("fwd", "fwd+bwd"), "modes")
     paths = GEMM_PATHS if gpu else ("grouped_mm", "cublas")
     breakdown = not getattr(args, "methods", None)
     gemms = sum(path in _ROLE_PATHS[role] for role in ROLES for path in paths)
@@ -217,7 +211,8 @@ def run(args) -> list[dict]:
                         rows.append(make_row(NAME, f"gemm:{path}", role, cell.shape, measured, **_extras(cell)))
                         step(f"{cell.shape} {role} {path}")
             del problem
-    return _add_speedups(rows)
+    # x_grouped_mm: transformers' grouped_mm (or the grouped_mm GEMM path) time over this row's
+    return add_speedup(rows, "x_grouped_mm", ("grouped_mm", "gemm:grouped_mm"), ("shape", "routing", "mode"))
 
 
 def _chosen(choices: dict, cell: Cell) -> str | None:
@@ -227,17 +222,6 @@ def _chosen(choices: dict, cell: Cell) -> str | None:
     picked = sorted(f"{key[0]}{'x'.join(map(str, key[4][1][1]))}:{path}" for key, path in choices.items()
                     if key[2] == cell.experts and key[3] == bucket)
     return " ".join(picked) or None
-
-
-def _add_speedups(rows: list[dict]) -> list[dict]:
-    """x_grouped_mm: transformers' grouped_mm (or the grouped_mm GEMM path) time over this row's."""
-    base = {(r["shape"], r["routing"], r["mode"]): r["median_ms"] for r in rows
-            if r["method"] in ("grouped_mm", "gemm:grouped_mm")}
-    for r in rows:
-        ref = base.get((r["shape"], r["routing"], r["mode"]), NAN)
-        ok = all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in (ref, r["median_ms"]))
-        r["x_grouped_mm"] = ref / r["median_ms"] if ok else NAN
-    return rows
 
 
 def plot(rows: list[dict], out_dir) -> list:

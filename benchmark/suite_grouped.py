@@ -17,14 +17,13 @@ flce.linear_cross_entropy per head), ``eager`` ((B, G, V) logits + F.cross_entro
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from common import NAN, make_row, measure, progress
+from common import add_speedup, make_row, measure, progress, wanted
 
 NAME = "grouped"
 COLUMNS = ["problem", "method", "mode", "dtype", "shape", "median_ms", "tflops", "x_loop", "peak_mb", "status"]
@@ -133,19 +132,12 @@ def _timed(compute, mode: str, inputs: tuple, grad_output=None):
 
 # ---------------------------------------------------------------- the suite
 
-def _wanted(args, names: tuple[str, ...], key: str) -> list[str]:
-    chosen = getattr(args, key, None)
-    if not chosen:
-        return list(names)
-    return [n for n in names if n in chosen.split(",")]
-
-
 def run(args) -> list[dict]:
     plan = []
     for cell in cells(args):
         methods = LINEAR_METHODS if cell.problem == "linear" else LOSS_METHODS
-        for mode in _wanted(args, ("fwd", "fwd+bwd"), "modes"):
-            plan += [(cell, m, mode) for m in _wanted(args, methods, "methods")]
+        for mode in wanted(args, ("fwd", "fwd+bwd"), "modes"):
+            plan += [(cell, m, mode) for m in wanted(args, methods, "methods")]
     rows = []
     with progress(len(plan), NAME) as step:
         for cell, method, mode in plan:
@@ -155,18 +147,8 @@ def run(args) -> list[dict]:
                                  dtype=DTYPES[cell.dtype], B=cell.batch, G=cell.groups, d_in=cell.d_in,
                                  d_out=cell.d_out))
             step(f"{cell.problem} {method} {mode}")
-    return _add_speedups(rows)
-
-
-def _add_speedups(rows: list[dict]) -> list[dict]:
-    """x_loop: the per-group loop's median over this row's (>1: faster than the loop)."""
-    loop = {(r["problem"], r["shape"], r["mode"]): r["median_ms"] for r in rows
-            if r["method"] in ("loop", "lce-loop")}
-    for r in rows:
-        base = loop.get((r["problem"], r["shape"], r["mode"]), NAN)
-        ok = all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in (base, r["median_ms"]))
-        r["x_loop"] = base / r["median_ms"] if ok else NAN
-    return rows
+    # x_loop: the per-group loop's median over this row's (>1: faster than the loop)
+    return add_speedup(rows, "x_loop", ("loop", "lce-loop"), ("problem", "shape", "mode"))
 
 
 if __name__ == "__main__":
