@@ -234,17 +234,22 @@ def _check_and_compact(t: torch.Tensor, valid: torch.Tensor, vocab: int) -> torc
 
 
 def _reduction_scale(t, valid, class_w, opts: LossOptions, num_items) -> torch.Tensor:
-    """0-d float32 factor that turns the sum of row losses into the reduced loss (0 if nothing counts)."""
+    """0-d float32 factor that turns the sum of row losses into the reduced loss (0 if nothing counts).
+
+    Built with as few launches as possible (and no host-to-device copy, which would wait for the GPU).
+    """
+    device = t.device
     if num_items is not None:
-        denom = torch.as_tensor(num_items, dtype=torch.float32).to(t.device)
+        if not isinstance(num_items, torch.Tensor):
+            return torch.full((), 1.0 / num_items if num_items else 0.0, dtype=torch.float32, device=device)
+        denom = num_items.to(device=device, dtype=torch.float32)
     elif opts.reduction == "sum":
-        return torch.ones((), dtype=torch.float32, device=t.device)
+        return torch.ones((), dtype=torch.float32, device=device)
     elif class_w is not None:
         vocab = class_w.numel()
-        keep = t != opts.ignore_index
-        denom = (class_w[t.clamp(0, vocab - 1)] * keep).sum()
-    else:
-        denom = (t != opts.ignore_index).sum().float()
+        denom = (class_w[t.clamp(0, vocab - 1)] * (t != opts.ignore_index)).sum()
+    else:  # a count: with no valid row the loss sum is 0 anyway, so 1 / max(count, 1) is exact
+        return (t != opts.ignore_index).sum(dtype=torch.float32).clamp_(min=1.0).reciprocal_()
     return torch.where(denom != 0, 1.0 / denom, torch.zeros_like(denom))
 
 

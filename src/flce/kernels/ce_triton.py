@@ -33,6 +33,69 @@ def _logits(raw, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT: tl.constexpr,
+               HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ACC: tl.constexpr,
+               BLOCK_V: tl.constexpr):
+    """Pass 1 over a row of V logits: running max m and sum of exp(z - m) (online softmax), the
+    (class-weighted) sum of z for smoothing, and the argmax for accuracy stats."""
+    m = float("-inf")
+    s = 0.0
+    sum_z = 0.0
+    best = float("-inf")
+    best_idx = 0
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        z_in = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
+        z = tl.where(mask, z_in, float("-inf"))
+        block_max = tl.max(z, 0)
+        m_new = tl.maximum(m, block_max)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that start with -inf logits
+        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)
+        m = m_new
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                sum_z += tl.sum(tl.where(mask, w * z_in, 0.0), 0)
+            else:
+                sum_z += tl.sum(tl.where(mask, z_in, 0.0), 0)
+        if COMPUTE_ACC:
+            block_arg = tl.argmax(z, 0)
+            best_idx = tl.where(block_max > best, start + block_arg, best_idx)
+            best = tl.maximum(best, block_max)
+    return m, s, sum_z, best_idx
+
+
+@triton.jit
+def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, coef, target_coef, smoothing_per_class, scale,
+                    keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Pass 2: dz_j = coef * p_j - target_coef [j == y] - smoothing_per_class * w_j, chained through
+    softcap and temperature (``scale`` includes 1/T), written over the row; exact zeros where not
+    ``keep`` (never 0 * NaN). Backwards over V: the blocks pass 1 read last are likeliest still in L2."""
+    last = (V - 1) // BLOCK_V * BLOCK_V
+    for back in range(0, V, BLOCK_V):
+        cols = (last - back) + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        z = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
+        g = coef * tl.exp(z - lse)
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                g -= smoothing_per_class * w
+            else:
+                g -= smoothing_per_class
+        g = tl.where(cols == y, g - target_coef, g)
+        if HAS_SOFTCAP:
+            t = z / softcap
+            g = g * (1.0 - t * t)
+        g = tl.where(keep, g * scale, 0.0)
+        tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _ce_kernel(
     logits_ptr,
     stride_row,
@@ -67,33 +130,8 @@ def _ce_kernel(
         valid = y != ignore_index
         y = tl.minimum(tl.maximum(y, 0), V - 1)  # safe index for ignored (or unchecked) targets
 
-        # Pass 1: online logsumexp over V; weighted sum of logits (smoothing); running argmax (stats).
-        m = float("-inf")
-        s = 0.0
-        sum_z = 0.0
-        best = float("-inf")
-        best_idx = 0
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            mask = cols < V
-            raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            z_in = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
-            z = tl.where(mask, z_in, float("-inf"))
-            block_max = tl.max(z, 0)
-            m_new = tl.maximum(m, block_max)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that start with -inf logits
-            s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)
-            m = m_new
-            if HAS_SMOOTHING:
-                if HAS_WEIGHT:
-                    w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                    sum_z += tl.sum(tl.where(mask, w * z_in, 0.0), 0)
-                else:
-                    sum_z += tl.sum(tl.where(mask, z_in, 0.0), 0)
-            if COMPUTE_ACC:
-                block_arg = tl.argmax(z, 0)
-                best_idx = tl.where(block_max > best, start + block_arg, best_idx)
-                best = tl.maximum(best, block_max)
+        m, s, sum_z, best_idx = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT,
+                                           HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V)
         lse = m + tl.log(s)
 
         z_y = _logits(tl.load(row_ptr + y).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)
@@ -114,8 +152,7 @@ def _ce_kernel(
             tl.store(correct_ptr + row, (valid & (best_idx == y)).to(tl.float32))
 
         if COMPUTE_GRAD:
-            # Pass 2: dz_j = coef * p_j - (1-eps) w_y [j == y] - eps/V w_j, chained through softcap and
-            # temperature, times the reduction's scale. Ignored rows get exact zeros (not 0 * NaN).
+            # Pass 2, times the reduction's scale; ignored rows get exact zeros.
             coef = (1.0 - smoothing) * w_y
             if HAS_SMOOTHING:
                 coef += smoothing / V * w_sum
@@ -126,24 +163,8 @@ def _ce_kernel(
             else:
                 scale = tl.load(scale_ptr).to(tl.float32)
             scale = scale * inv_temp
-            for start in range(0, V, BLOCK_V):
-                cols = start + tl.arange(0, BLOCK_V)
-                mask = cols < V
-                raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                z = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
-                g = coef * tl.exp(z - lse)
-                if HAS_SMOOTHING:
-                    if HAS_WEIGHT:
-                        w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                        g -= smoothing / V * w
-                    else:
-                        g -= smoothing / V
-                g = tl.where(cols == y, g - (1.0 - smoothing) * w_y, g)
-                if HAS_SOFTCAP:
-                    t = z / softcap
-                    g = g * (1.0 - t * t)
-                g = tl.where(valid, g * scale, 0.0)
-                tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+            _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, coef, (1.0 - smoothing) * w_y, smoothing / V,
+                            scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, BLOCK_V)
 
 
 @dataclass(frozen=True)

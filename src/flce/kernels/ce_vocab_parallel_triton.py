@@ -1,8 +1,8 @@
 """Triton kernels of the two vocab-parallel stages (contract in ``ce_vocab_parallel``).
 
 One program per row, blocks over the shard's columns, float32 arithmetic whatever the logits' dtype.
-Temperature and softcap come from the core kernel's ``_logits`` helper, so both kernels see the
-same z.
+The row passes (online softmax, gradient written over the row) are the core kernel's helpers, so
+both kernels compute the same z and the same gradient.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..options import LossOptions
-from .ce_triton import _logits
+from .ce_triton import _logits, _row_stats, _write_row_grad
 
 
 @triton.jit
@@ -33,25 +33,8 @@ def _shard_stats_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    m = float("-inf")
-    s = 0.0
-    sum_z = 0.0
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < V
-        raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z_in = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
-        z = tl.where(mask, z_in, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, 0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that start with -inf logits
-        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)
-        m = m_new
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                sum_z += tl.sum(tl.where(mask, w * z_in, 0.0), 0)
-            else:
-                sum_z += tl.sum(tl.where(mask, z_in, 0.0), 0)
+    m, s, sum_z, _ = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
+                                HAS_SOFTCAP, False, BLOCK_V)
 
     y = tl.load(target_ptr + row)
     here = y >= 0
@@ -90,24 +73,9 @@ def _shard_grad_kernel(
     coef = tl.load(coef_ptr + row)
     target_coef = tl.load(target_coef_ptr + row)
     scale = tl.load(scale_ptr + row)
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < V
-        raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
-        g = coef * tl.exp(z - lse)
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                g -= smoothing_per_class * w
-            else:
-                g -= smoothing_per_class
-        g = tl.where(cols == y, g - target_coef, g)  # y = -1 matches no column
-        if HAS_SOFTCAP:
-            t = z / softcap
-            g = g * (1.0 - t * t)
-        g = tl.where(scale != 0.0, g * scale, 0.0)  # exact zeros on ignored rows
-        tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+    # y = -1 (target in another shard) matches no column; scale 0 marks an ignored row: exact zeros.
+    _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, coef, target_coef, smoothing_per_class, scale,
+                    scale != 0.0, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, BLOCK_V)
 
 
 def _launch_shape(vocab: int) -> tuple[int, int]:
