@@ -9,7 +9,7 @@ from torch import nn
 
 from .function import LinearCrossEntropyFunction, chunk_loop
 from .kernels import resolve_backend
-from .options import LossOptions
+from .options import LossOptions, check_run_options
 from .planner import plan_chunks
 
 
@@ -78,12 +78,7 @@ def linear_cross_entropy(
             chunk_size=chunk_size, backend=backend, return_stats=return_stats, validate_target=validate_target)
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction)
     _check_tensors(input, linear_weight, target, linear_bias, weight)
-    if reduction == "none" and num_items_in_batch is not None:
-        raise ValueError("num_items_in_batch cannot be combined with reduction='none'")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
-        raise TypeError(f"accum_dtype must be a floating torch.dtype or None, got {accum_dtype!r}")
+    check_run_options(reduction, num_items_in_batch, chunk_size, accum_dtype)
     backend = resolve_backend(backend, input.device)
     compute_dtype = _compute_dtype(input, linear_weight, linear_bias)
 
@@ -108,7 +103,7 @@ def linear_cross_entropy(
     args = (x, linear_weight, linear_bias, t, class_w, weight_sum)
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:3]):
         loss, lse, correct = LinearCrossEntropyFunction.apply(
-            *args, scale, opts, plan, compute_dtype, backend, return_stats
+            chunk_loop, *args, scale, opts, plan, compute_dtype, backend, return_stats
         )
     else:  # nothing to differentiate: the loop computes the loss alone
         parts, _ = chunk_loop(*args, None, (False, False, False), opts, plan, compute_dtype, backend,

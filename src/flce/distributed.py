@@ -24,11 +24,11 @@ from .api import (
     _scatter_rows,
     _stats,
 )
-from .function import _CONSUMED, ChunkGrads, LossParts, scale_grad
+from .function import ChunkGrads, LossParts, finish_forward, scale_grads, take_grads
 from .gemm import mm_into
 from .kernels import resolve_backend
 from .kernels.ce_vocab_parallel import ROW_MAX, STATS, SUM_EXP, SUM_LOGITS, TARGET_LOGIT, shard_grad, shard_stats
-from .options import LossOptions
+from .options import LossOptions, check_run_options
 from .planner import ChunkPlan, plan_chunks
 
 __all__ = [
@@ -142,7 +142,7 @@ def vocab_parallel_linear_cross_entropy(
                            "process group; on one device use flce.linear_cross_entropy")
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction)
     _check_tensors(input, linear_weight_shard, target, linear_bias, None)
-    _check_run_options(reduction, num_items_in_batch, chunk_size, accum_dtype)
+    check_run_options(reduction, num_items_in_batch, chunk_size, accum_dtype)
     backend = resolve_backend(backend, input.device)
     compute_dtype = _compute_dtype(input, linear_weight_shard, linear_bias)
 
@@ -215,15 +215,6 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     """0-d int64 checksum of class indices; exact (no overflow: terms < 2**32, fewer than 2**31 rows)."""
     pos = torch.arange(t.numel(), device=t.device)
     return ((t % 65521 + 1) * (pos % 65519 + 1)).sum()
-
-
-def _check_run_options(reduction, num_items_in_batch, chunk_size, accum_dtype) -> None:
-    if reduction == "none" and num_items_in_batch is not None:
-        raise ValueError("num_items_in_batch cannot be combined with reduction='none'")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
-        raise TypeError(f"accum_dtype must be a floating torch.dtype or None, got {accum_dtype!r}")
 
 
 def _check_class_weight(weight, vocab: int, device: torch.device) -> None:
@@ -358,39 +349,22 @@ class VocabParallelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, rows, classes, grad_scale, setup):
         needs = tuple(ctx.needs_input_grad[:3])
-        per_row = grad_scale is None
         parts, grads = _chunk_loop(x, weight, bias, rows, classes, setup, grad_scale, needs)
-        ctx.meta = (rows, classes, setup, x.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        if per_row:  # reduction="none": keep the inputs and the softmax, recompute logits in backward
-            ctx.save_for_backward(x, weight, bias, parts.lse)
-            loss = parts.loss
-        else:
-            ctx.grads = grads
-            loss = parts.loss.sum() * grad_scale
-        correct = parts.correct if parts.correct is not None else parts.loss.new_empty(0)
-        ctx.mark_non_differentiable(parts.lse, correct)
-        return loss, parts.lse, correct
+        ctx.meta = (rows, classes, setup, (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
+        # reduction="none" keeps the inputs and the softmax, and recomputes logits in backward
+        return finish_forward(ctx, parts, grads, grad_scale, (x, weight, bias, parts.lse))
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse, _grad_correct):
-        rows, classes, setup, x_dtype, w_dtype, b_dtype = ctx.meta
-        if hasattr(ctx, "grads"):
-            grads = ctx.grads
-            if grads is None:
-                raise RuntimeError(_CONSUMED)
-            ctx.grads = None
-            g = grad_loss.float()
-        else:
+        rows, classes, setup, dtypes = ctx.meta
+        g = grad_loss.float()
+        grads = take_grads(ctx)
+        if grads is None:
             x, weight, bias, lse = ctx.saved_tensors
-            _, grads = _chunk_loop(x, weight, bias, rows, classes, setup, grad_loss.float().contiguous(),
+            _, grads = _chunk_loop(x, weight, bias, rows, classes, setup, g.contiguous(),
                                    tuple(ctx.needs_input_grad[:3]), saved_lse=lse)
-            g = torch.ones((), dtype=torch.float32, device=grad_loss.device)
-        return (
-            scale_grad(grads.input, g, x_dtype),
-            scale_grad(grads.weight, g, w_dtype),
-            scale_grad(grads.bias, g, b_dtype) if b_dtype is not None else None,
-            None, None, None, None,
-        )
+            g = None
+        return *scale_grads(grads, g, dtypes), None, None, None, None
 
 
 def is_dtensor(t: object) -> bool:

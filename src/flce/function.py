@@ -137,60 +137,67 @@ def finish_pending(p: PendingGrads, g: torch.Tensor, needs, dtypes, backend) -> 
     return grads
 
 
-def scale_grad(g: torch.Tensor | None, grad_output: torch.Tensor, dtype: torch.dtype,
-               backend: str = "torch") -> torch.Tensor | None:
-    """g * grad_output in ``dtype`` (in place when the dtypes agree); None stays None."""
-    return None if g is None else scale_into(g, grad_output, dtype, backend)
-
-
 _CONSUMED = (
     "flce: backward ran twice through the same graph. The fused loss computes its gradients in forward "
     "and hands them over once; run the forward again (or use reduction='none', which recomputes)."
 )
 
 
+def finish_forward(ctx, parts: LossParts, grads, grad_scale: torch.Tensor | None, saved: tuple):
+    """The forward's tail every fused Function shares: hand the gradients to backward (mean/sum), or
+    keep ``saved`` to recompute with the per-row grad_output (reduction='none'); package the outputs."""
+    if grad_scale is None:
+        ctx.save_for_backward(*saved)
+        loss = parts.loss
+    else:
+        ctx.grads = grads
+        loss = parts.loss.sum() * grad_scale
+    correct = parts.correct if parts.correct is not None else parts.loss.new_empty(0)
+    ctx.mark_non_differentiable(parts.lse, correct)
+    return loss, parts.lse, correct
+
+
+def take_grads(ctx):
+    """The gradients forward handed over, once; None when backward must recompute (reduction='none')."""
+    if not hasattr(ctx, "grads"):
+        return None
+    grads, ctx.grads = ctx.grads, None
+    if grads is None:
+        raise RuntimeError(_CONSUMED)
+    return grads
+
+
+def scale_grads(grads: ChunkGrads, g: torch.Tensor | None, dtypes, backend: str = "torch") -> list:
+    """(input, weight, bias) gradients times grad_output ``g`` (None: already scaled), in ``dtypes``."""
+    return [None if t is None else (t.to(dt) if g is None else scale_into(t, g, dt, backend))
+            for t, dt in zip((grads.input, grads.weight, grads.bias), dtypes)]
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Inputs: x (n, H), weight (V, H), bias, target (n,), class_weight, weight_sum, grad_scale
-    (0-d reduction scale, or None for reduction='none'), opts, plan, compute_dtype, backend,
-    want_correct. Outputs: loss (0-d, or (n,) for 'none'), lse (n,), correct (n,) or empty."""
+    """Inputs: loop (``chunk_loop``, or a loop with its contract such as the grouped one), x (n, H),
+    weight (V, H), bias, target (n,), class_weight, weight_sum, grad_scale (0-d reduction scale, or
+    None for reduction='none'), opts, plan, compute_dtype, backend, want_correct.
+    Outputs: loss (0-d, or per row for 'none'), lse, correct (or empty)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, class_weight, weight_sum, grad_scale, opts, plan,
+    def forward(ctx, loop, x, weight, bias, target, class_weight, weight_sum, grad_scale, opts, plan,
                 compute_dtype, backend, want_correct):
-        needs = tuple(ctx.needs_input_grad[:3])
-        per_row = grad_scale is None
-        parts, grads = chunk_loop(
-            x, weight, bias, target, class_weight, weight_sum,
-            None if per_row else grad_scale, needs, opts, plan, compute_dtype, backend, want_correct,
-            defer=True,
-        )
-        ctx.meta = (opts, plan, compute_dtype, backend, needs,
+        needs = tuple(ctx.needs_input_grad[1:4])
+        parts, grads = loop(x, weight, bias, target, class_weight, weight_sum, grad_scale, needs, opts, plan,
+                            compute_dtype, backend, want_correct, defer=True)
+        ctx.meta = (loop, opts, plan, compute_dtype, backend, needs,
                     (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
-        if per_row:  # reduction="none": keep the inputs, recompute in backward
-            ctx.save_for_backward(x, weight, bias, target, class_weight, weight_sum)
-            loss = parts.loss
-        else:
-            ctx.grads = grads
-            loss = parts.loss.sum() * grad_scale
-        correct = parts.correct if parts.correct is not None else parts.loss.new_empty(0)
-        ctx.mark_non_differentiable(parts.lse, correct)
-        return loss, parts.lse, correct
+        return finish_forward(ctx, parts, grads, grad_scale, (x, weight, bias, target, class_weight, weight_sum))
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse, _grad_correct):
-        opts, plan, compute_dtype, backend, needs, dtypes = ctx.meta
+        loop, opts, plan, compute_dtype, backend, needs, dtypes = ctx.meta
         g = grad_loss.float()
-        if hasattr(ctx, "grads"):
-            grads, ctx.grads = ctx.grads, None
-            if grads is None:
-                raise RuntimeError(_CONSUMED)
-            if isinstance(grads, PendingGrads):
-                grads = finish_pending(grads, g, needs, dtypes, backend)
-                return grads.input, grads.weight, grads.bias, *([None] * 9)
-        else:
-            x, weight, bias, target, class_weight, weight_sum = ctx.saved_tensors
-            _, grads = chunk_loop(x, weight, bias, target, class_weight, weight_sum, g.contiguous(), needs,
-                                  opts, plan, compute_dtype, backend)
-            g = torch.ones((), dtype=torch.float32, device=g.device)
-        out = [scale_grad(t, g, dt, backend) for t, dt in zip((grads.input, grads.weight, grads.bias), dtypes)]
-        return *out, *([None] * 9)
+        grads = take_grads(ctx)
+        if isinstance(grads, PendingGrads):
+            grads = finish_pending(grads, g, needs, dtypes, backend)
+            g = None
+        elif grads is None:  # reduction="none": run the loop again with the per-row grad_output
+            _, grads = loop(*ctx.saved_tensors, g.contiguous(), needs, opts, plan, compute_dtype, backend)
+            g = None
+        return None, *scale_grads(grads, g, dtypes, backend), *([None] * 9)

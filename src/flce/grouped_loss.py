@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from .api import LossStats, _check_tensors, _compute_dtype, _reduction_scale, _stats
-from .function import _CONSUMED, ChunkGrads, LossParts, scale_grad
+from .function import ChunkGrads, LinearCrossEntropyFunction, LossParts
 from .gemm import bmm_into
 from .grouped import check_group_bias, group_major_view
 from .kernels import ce_chunk, resolve_backend
-from .options import LossOptions
+from .options import LossOptions, check_run_options
 from .planner import ChunkPlan, plan_chunks
 
 
@@ -77,7 +77,7 @@ def grouped_linear_cross_entropy(
     """
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction)
     _check_grouped(input, linear_weight, target, linear_bias, weight, group_major)
-    _check_options(reduction, num_items_in_batch, chunk_size, accum_dtype)
+    check_run_options(reduction, num_items_in_batch, chunk_size, accum_dtype)
     backend = resolve_backend(backend, input.device)
     compute_dtype = _compute_dtype(input, linear_weight, linear_bias)
     groups, vocab, _ = linear_weight.shape
@@ -99,8 +99,8 @@ def grouped_linear_cross_entropy(
     plan = GroupedChunkPlan(base.n_rows, base.rows, base.accum_dtype, group_major)
     args = (x, linear_weight, linear_bias, t, class_w, weight_sum)
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:3]):
-        loss, lse, correct = GroupedLinearCrossEntropyFunction.apply(
-            *args, scale, opts, plan, compute_dtype, backend, return_stats
+        loss, lse, correct = LinearCrossEntropyFunction.apply(
+            grouped_chunk_loop, *args, scale, opts, plan, compute_dtype, backend, return_stats
         )
     else:
         parts, _ = grouped_chunk_loop(*args, None, (False, False, False), opts, plan, compute_dtype,
@@ -132,8 +132,10 @@ def grouped_chunk_loop(
     compute_dtype: torch.dtype,
     backend: str,
     want_correct: bool = False,
+    defer: bool = False,
 ) -> tuple[LossParts, ChunkGrads]:
     """The core's ``chunk_loop`` (same contract) over groups: chunks of batch positions, batched GEMMs.
+    ``defer`` is accepted for that contract and ignored: the grouped loop always finishes its GEMMs.
 
     x: (B, G, H) or (G, B, H) per ``plan.group_major``; weight: (G, V, H); bias: (G, V) or None;
     target: (B, G) or (G, B) int64; grad_scale: None, 0-d, or per token in target's shape.
@@ -200,52 +202,6 @@ def grouped_chunk_loop(
     return parts, grads
 
 
-class GroupedLinearCrossEntropyFunction(torch.autograd.Function):
-    """``LinearCrossEntropyFunction`` with the grouped chunk loop; same inputs and outputs, grouped shapes."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, target, class_weight, weight_sum, grad_scale, opts, plan,
-                compute_dtype, backend, want_correct):
-        per_token = grad_scale is None
-        parts, grads = grouped_chunk_loop(
-            x, weight, bias, target, class_weight, weight_sum, grad_scale, tuple(ctx.needs_input_grad[:3]),
-            opts, plan, compute_dtype, backend, want_correct,
-        )
-        ctx.meta = (opts, plan, compute_dtype, backend, x.dtype, weight.dtype,
-                    bias.dtype if bias is not None else None)
-        if per_token:  # reduction="none": grad_output is per token, known only in backward: recompute
-            ctx.save_for_backward(x, weight, bias, target, class_weight, weight_sum)
-            loss = parts.loss
-        else:
-            ctx.grads = grads
-            loss = parts.loss.sum() * grad_scale
-        correct = parts.correct if parts.correct is not None else parts.loss.new_empty(0)
-        ctx.mark_non_differentiable(parts.lse, correct)
-        return loss, parts.lse, correct
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_lse, _grad_correct):
-        opts, plan, compute_dtype, backend, x_dtype, w_dtype, b_dtype = ctx.meta
-        if hasattr(ctx, "grads"):
-            if ctx.grads is None:
-                raise RuntimeError(_CONSUMED)
-            grads, ctx.grads = ctx.grads, None
-            g = grad_loss.float()
-        else:
-            x, weight, bias, target, class_weight, weight_sum = ctx.saved_tensors
-            _, grads = grouped_chunk_loop(
-                x, weight, bias, target, class_weight, weight_sum, grad_loss.float(),
-                tuple(ctx.needs_input_grad[:3]), opts, plan, compute_dtype, backend,
-            )
-            g = torch.ones((), dtype=torch.float32, device=grad_loss.device)
-        return (
-            scale_grad(grads.input, g, x_dtype),
-            scale_grad(grads.weight, g, w_dtype),
-            scale_grad(grads.bias, g, b_dtype) if b_dtype is not None else None,
-            None, None, None, None, None, None, None, None, None,
-        )
-
-
 def _check_grouped(input, linear_weight, target, bias, class_weight, group_major: bool) -> None:
     """Grouped shapes here; dtypes, devices and the class weights through the core's check on group 0."""
     for name, t in (("input", input), ("linear_weight", linear_weight), ("target", target)):
@@ -267,16 +223,6 @@ def _check_grouped(input, linear_weight, target, bias, class_weight, group_major
     _check_tensors(group_major_view(input, group_major)[0], linear_weight[0],
                    group_major_view(target, group_major)[0], bias[0] if bias is not None else None,
                    class_weight)
-
-
-def _check_options(reduction: str, num_items, chunk_size, accum_dtype) -> None:
-    if reduction == "none" and num_items is not None:
-        raise ValueError("num_items_in_batch cannot be combined with reduction='none'")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                   or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
-        raise TypeError(f"accum_dtype must be a floating torch.dtype or None, got {accum_dtype!r}")
 
 
 def _check_and_compact(t: torch.Tensor, valid: torch.Tensor, vocab: int, batch_dim: int) -> torch.Tensor | None:

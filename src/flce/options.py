@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -42,6 +44,16 @@ class LossOptions:
         _check_real("temperature", self.temperature)
         if self.temperature <= 0.0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+
+def check_run_options(reduction: str, num_items_in_batch, chunk_size, accum_dtype) -> None:
+    """Checks of the per-call knobs shared by every front end (the loss itself: LossOptions)."""
+    if reduction == "none" and num_items_in_batch is not None:
+        raise ValueError("num_items_in_batch cannot be combined with reduction='none'")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
+        raise TypeError(f"accum_dtype must be a floating torch.dtype or None, got {accum_dtype!r}")
 
 
 def _check_real(name: str, value: object) -> None:
