@@ -86,6 +86,11 @@ def linear_cross_entropy(
     x = input.reshape(-1, hidden)
     t = target.reshape(-1).long().contiguous()
     valid = t != ignore_index
+    # Everything that does not depend on dropping ignored rows is queued before the check's host
+    # sync, so that less host work separates the sync from the first GEMM.
+    class_w = weight.float().contiguous() if weight is not None else None
+    weight_sum = class_w.sum() if class_w is not None else None
+    scale = None if reduction == "none" else _reduction_scale(t, valid, class_w, opts, num_items_in_batch)
     rows = None  # indices of the valid rows, when ignored rows are dropped
     pending = None
     if validate_target and t.numel() >= COMPACT_MIN_ROWS:
@@ -94,10 +99,6 @@ def linear_cross_entropy(
             x, t = x.index_select(0, rows), t.index_select(0, rows)
     elif validate_target and t.numel():
         pending = _TargetCheck(t, valid, vocab)
-
-    class_w = weight.float().contiguous() if weight is not None else None
-    weight_sum = class_w.sum() if class_w is not None else None
-    scale = None if reduction == "none" else _reduction_scale(t, valid, class_w, opts, num_items_in_batch)
     plan = plan_chunks(x.shape[0], vocab, compute_dtype, linear_weight.dtype,
                        chunk_size=chunk_size, accum_dtype=accum_dtype)
     args = (x, linear_weight, linear_bias, t, class_w, weight_sum)
