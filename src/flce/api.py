@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,22 @@ from .function import LinearCrossEntropyFunction, chunk_loop
 from .kernels import resolve_backend
 from .options import LossOptions, check_run_options
 from .planner import plan_chunks
+
+
+# Host time matters at small batches, where a step is launch-bound: the checks below stay cheap.
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _loss_options(*args) -> LossOptions:
+    """LossOptions, validated once per distinct set of values (they are hashable scalars)."""
+    return LossOptions(*args)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from .distributed import is_dtensor
+
+    return is_dtensor(t)
 
 
 @dataclass
@@ -66,17 +83,15 @@ def linear_cross_entropy(
             syncs with the host once. False makes the call sync-free (CUDA-graph capture): targets
             are then trusted and ignored rows are computed and zeroed.
     """
-    from .distributed import is_dtensor  # lazy: distributed imports this module
-
-    if is_dtensor(linear_weight):  # vocab-sharded (Shard(0)) or replicated DTensor weight
-        from .distributed import linear_cross_entropy_dtensor
+    if type(linear_weight) not in _PLAIN_TENSORS and _is_dtensor(linear_weight):  # Shard(0) or replicated
+        from .distributed import linear_cross_entropy_dtensor  # lazy: distributed imports this module
 
         return linear_cross_entropy_dtensor(
             input, linear_weight, target, linear_bias=linear_bias, weight=weight, reduction=reduction,
             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
             temperature=temperature, num_items_in_batch=num_items_in_batch, accum_dtype=accum_dtype,
             chunk_size=chunk_size, backend=backend, return_stats=return_stats, validate_target=validate_target)
-    opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction)
+    opts = _loss_options(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction)
     _check_tensors(input, linear_weight, target, linear_bias, weight)
     check_run_options(reduction, num_items_in_batch, chunk_size, accum_dtype)
     backend = resolve_backend(backend, input.device)
@@ -165,10 +180,11 @@ def _check_tensors(input, linear_weight, target, bias, class_weight) -> None:
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != (vocab,):
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a floating tensor of shape ({vocab},), got {shape}")
-    devices = {n: t.device for n, t in (("input", input), ("linear_weight", linear_weight),
-                                        ("target", target), ("linear_bias", bias), ("weight", class_weight))
-               if t is not None}
-    if len(set(devices.values())) > 1:
+    device = input.device
+    if any(t is not None and t.device != device for t in (linear_weight, target, bias, class_weight)):
+        devices = {n: t.device for n, t in (("input", input), ("linear_weight", linear_weight),
+                                            ("target", target), ("linear_bias", bias), ("weight", class_weight))
+                   if t is not None}
         raise ValueError("all tensors must be on one device, got " +
                          ", ".join(f"{n} on {d}" for n, d in devices.items()))
 
@@ -245,7 +261,7 @@ def _reduction_scale(t, valid, class_w, opts: LossOptions, num_items) -> torch.T
         vocab = class_w.numel()
         denom = (class_w[t.clamp(0, vocab - 1)] * (t != opts.ignore_index)).sum()
     else:  # a count: with no valid row the loss sum is 0 anyway, so 1 / max(count, 1) is exact
-        return (t != opts.ignore_index).sum(dtype=torch.float32).clamp_(min=1.0).reciprocal_()
+        return valid.sum(dtype=torch.float32).clamp_(min=1.0).reciprocal_()
     return torch.where(denom != 0, 1.0 / denom, torch.zeros_like(denom))
 
 

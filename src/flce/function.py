@@ -131,7 +131,7 @@ def finish_pending(p: PendingGrads, g: torch.Tensor, needs, dtypes, backend) -> 
         scale_into(grads.input, g, x_dtype, backend)
     if needs[1]:
         grads.weight = torch.empty(p.w.shape, dtype=w_dtype, device=p.w.device)
-        mm_into(grads.weight, p.dlogits.t(), p.x * g.to(p.x.dtype), accumulate=False)
+        mm_into(grads.weight, p.dlogits.t(), p.x * g, accumulate=False)  # a 0-d g keeps x's dtype
     if needs[2]:
         grads.bias = (p.dlogits.sum(0, dtype=torch.float32) * g).to(b_dtype)
     return grads
@@ -182,6 +182,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loop, x, weight, bias, target, class_weight, weight_sum, grad_scale, opts, plan,
                 compute_dtype, backend, want_correct):
+        ctx.set_materialize_grads(False)  # lse and correct get no gradient: skip their zero tensors
         needs = tuple(ctx.needs_input_grad[1:4])
         parts, grads = loop(x, weight, bias, target, class_weight, weight_sum, grad_scale, needs, opts, plan,
                             compute_dtype, backend, want_correct, defer=True)
