@@ -83,3 +83,9 @@ def test_bad_targets_raise_for_small_and_large_batches(n):
     with pytest.raises(ValueError, match=r"1 value\(s\) outside \[0, 20\).*first: 25"):
         flce.linear_cross_entropy(x, w, t)
     assert x.grad is None and w.grad is None
+
+
+@pytest.mark.parametrize("value", [[0.1], torch.tensor(0.1)])
+def test_non_number_options_raise_clear_type_error(args, value):
+    with pytest.raises(TypeError, match="label_smoothing must be a real number"):
+        flce.linear_cross_entropy(*args, label_smoothing=value)

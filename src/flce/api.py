@@ -19,9 +19,18 @@ _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 
 @functools.lru_cache(maxsize=256, typed=True)
-def _loss_options(*args) -> LossOptions:
-    """LossOptions, validated once per distinct set of values (they are hashable scalars)."""
+def _cached_loss_options(*args) -> LossOptions:
     return LossOptions(*args)
+
+
+def _loss_options(*args) -> LossOptions:
+    """LossOptions, validated once per distinct set of (hashable) values."""
+    try:
+        return _cached_loss_options(*args)
+    except TypeError as e:
+        if "unhashable" not in str(e):
+            raise
+        return LossOptions(*args)  # raises the clear error for a value of the wrong type
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
