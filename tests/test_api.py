@@ -69,6 +69,14 @@ def test_options(backend, device, name, reduction):
     check(backend, torch.float32, device, reduction=reduction, chunk_size=8, **dict(OPTION_SETS[name]))
 
 
+@pytest.mark.parametrize("fold_bytes", [0, 1 << 30])  # grad_output folded into x_c, or into dlogits
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_chunk_backward_both_foldings(backend, device, monkeypatch, dtype, fold_bytes):
+    """A single chunk defers its GEMMs to backward, where grad_output (1.7 here) scales one operand."""
+    monkeypatch.setattr(flce.function, "FOLD_INTO_DLOGITS_BYTES", fold_bytes)
+    check(backend, dtype, device, bias=True, ignore=0.2)
+
+
 def test_all_options_bf16_sum(backend, device):
     check(backend, torch.bfloat16, device, reduction="sum", chunk_size=5, **dict(OPTION_SETS["all"]))
 

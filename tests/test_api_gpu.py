@@ -129,3 +129,18 @@ def test_cuda_graph_capture_and_replay():
     want = step()
     assert torch.allclose(static_loss, want, rtol=1e-5)
     assert rel_err(eager_x, x.grad) < 1e-3 and rel_err(eager_w, w.grad) < 1e-3
+
+
+def test_small_batch_bad_target_raises_by_backward_without_a_forward_wait():
+    """Below COMPACT_MIN_ROWS the check is read without draining the queue: with the GPU kept busy the
+    error comes from backward (or forward, if the copy already landed), never not at all."""
+    x, w, t = llm_case(64, 1024, 32000)
+    t[5] = 32000
+    busy = torch.randn(8192, 8192, device=CUDA)
+    for _ in range(20):  # queue ~20 ms of work so the check's copy cannot have landed at forward
+        busy = busy @ busy
+        busy /= busy.norm()
+    with pytest.raises(ValueError, match=r"outside \[0, 32000\).*first: 32000"):
+        loss = flce.linear_cross_entropy(x, w, t)
+        loss.backward()
+    assert x.grad is None and w.grad is None

@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 
 HAS_GROUPED_MM = experts_torch.has_grouped_mm()
-TRITON = triton_available(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the Triton paths run
+TRITON = triton_available(KERNEL_DEVICE)
 
 
 # ------------------------------------------------------------------------------------ cases
@@ -105,7 +106,8 @@ def test_any_routing_matches_float64_reference(tokens, top_k, experts, case, see
 def test_empty_batch_gives_zero_weight_grads(gemm, ew):
     if (gemm == "grouped_mm" and not HAS_GROUPED_MM) or (ew == "triton" and not TRITON):
         pytest.skip(f"{gemm} cannot run here")
-    x, ids, weights, gate_up, down = make_case(0, 16, 8, 3, 2, torch.float32, "cpu")
+    dev = KERNEL_DEVICE if ew == "triton" else "cpu"
+    x, ids, weights, gate_up, down = make_case(0, 16, 8, 3, 2, torch.float32, dev)
     out = flce.experts_forward(x, ids, weights, gate_up, down, gemm=gemm, elementwise=ew)
     assert out.shape == (0, 16)
     grads = torch.autograd.grad(out.sum(), (x, weights, gate_up, down))
@@ -161,8 +163,7 @@ def test_partial_gradients_and_mixed_dtypes():
 def test_triton_path_matches_float64_reference(gemm, dtype, case, top_k, sizes):
     """The Triton GEMMs and elementwise kernels (interpreter on CPU), K tails and odd widths included."""
     tokens, hidden, inter, experts = sizes
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    check(*make_case(tokens, hidden, inter, experts, top_k, dtype, dev, case), TOL[dtype], gemm=gemm,
+    check(*make_case(tokens, hidden, inter, experts, top_k, dtype, KERNEL_DEVICE, case), TOL[dtype], gemm=gemm,
           elementwise="triton")
 
 
@@ -295,7 +296,8 @@ def test_auto_dispatch_measures_once_and_keeps_the_fastest(monkeypatch):
     calls = []
     monkeypatch.setattr(dispatch, "_choices", {})
     monkeypatch.setattr(dispatch, "_can_measure", lambda device: True)
-    monkeypatch.setattr(dispatch, "_time_ms", lambda fn: (calls.append(fn()), timings[calls[-1]])[1])
+    monkeypatch.setattr(dispatch, "_time_all",
+                        lambda fns, key: {name: (calls.append(fn()), timings[calls[-1]])[1] for name, fn in fns.items()})
     run = lambda name: name  # noqa: E731
     key = ("rows", "k")
     assert dispatch._pick(key, ["triton", "grouped_mm"], run, torch.device("cpu")) == "grouped_mm"
@@ -314,7 +316,8 @@ def test_auto_on_cpu_is_the_exact_loop():
 @pytest.mark.parametrize("gemm", [g for g, ok in (("grouped_mm", HAS_GROUPED_MM), ("triton", TRITON)) if ok])
 def test_device_paths_never_read_routing_on_the_host(monkeypatch, gemm):
     """No .tolist() / .item() / bool() of a tensor in forward or backward (what would break graph capture)."""
-    x, ids, weights, gate_up, down = make_case(7, 16, 16, 3, 2, torch.float32, "cpu", "dropped")
+    dev = KERNEL_DEVICE if gemm == "triton" else "cpu"
+    x, ids, weights, gate_up, down = make_case(7, 16, 16, 3, 2, torch.float32, dev, "dropped")
 
     def host_read(*_args, **_kwargs):
         raise AssertionError("host read of a tensor")
@@ -443,3 +446,31 @@ def test_gpu_tiny_mixtral_bf16_matches_eager():
         eager_err = rel_err(results["eager"][1][name], want)
         flce_err = rel_err(results["flce"][1][name], want)
         assert flce_err <= 1.5 * eager_err + 1e-2, f"{name}: flce {flce_err:.3g} vs eager {eager_err:.3g}"
+
+
+def test_timing_rounds_interleave_candidates_and_drop_failures(monkeypatch):
+    """Candidates are timed in alternating rounds (drift favours none) and a failing one is left out."""
+    order = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = 0.0
+
+        def record(self):
+            self.t = len(order)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    def broken():
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    fns = {"a": lambda: order.append("a"), "b": lambda: order.extend("bb"), "c": broken}
+    with pytest.warns(UserWarning, match="'c' failed"):
+        timings = dispatch._time_all(fns, ("rows",))
+    assert timings == {"a": 1, "b": 2}
+    assert order[3:9] == list("abbabb")  # after one warm call each, the rounds alternate

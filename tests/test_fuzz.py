@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from reference import assert_close, reference_loss
 
 import flce
-from conftest import BACKENDS
+from conftest import BACKENDS, DEVICE
 
 options = st.fixed_dictionaries({
     "reduction": st.sampled_from(["mean", "sum", "none"]),
@@ -32,10 +32,13 @@ def test_random_cases_match_reference(n, hidden, vocab, chunk, ignore, bias, cla
     t = torch.randint(0, vocab, (n,), generator=g)
     t[torch.rand(n, generator=g) < ignore] = -100
     cw = torch.rand(vocab, generator=g) + 0.1 if class_weight else None
+    dev = DEVICE if backend == "triton" else torch.device("cpu")  # Triton runs on CUDA, or the interpreter
+    x, w, b, t, cw = (v.detach().to(dev).requires_grad_(v.requires_grad) if v is not None else None
+                      for v in (x, w, b, t, cw))
     loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, chunk_size=chunk, backend=backend, **opts)
     ref, leaves = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, **opts)
     assert_close(loss, ref, 1e-5, "loss")
-    grad_out = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    grad_out = torch.randn(ref.shape, generator=g, dtype=torch.float64).to(dev)
     loss.backward(grad_out.float())
     ref.backward(grad_out)
     for got, leaf, name in zip((x, w, b), leaves, ("input", "weight", "bias")):

@@ -24,6 +24,18 @@ def test_mm_into_matches_float64(device, monkeypatch, force_fallback, out_dtype,
     assert rel_err(out, want) < tol
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_outer_product_is_exact(device, out_dtype):
+    """K = 1 (a batch of one row) goes through a zero-padded K = 2 GEMM: the same single products."""
+    a, b = torch.randn(37, 1, device=device).bfloat16(), torch.randn(1, 21, device=device).bfloat16()
+    out = torch.full((37, 21), float("nan"), dtype=out_dtype, device=device)
+    gemm.mm_into(out, a.t().t(), b, accumulate=False)
+    assert torch.equal(out, (a.double() @ b.double()).to(out_dtype))
+    if out_dtype == torch.float32:  # a product of two bf16 values is exact in float32, and so is twice it
+        gemm.mm_into(out, a, b, accumulate=True)
+        assert torch.equal(out, 2 * (a.double() @ b.double()).float())
+
+
 def test_fallback_is_used_where_out_dtype_is_missing():
     """CPU torch has no mm(out_dtype=...): the probe says so and the upcast path still accumulates in fp32."""
     cpu = torch.device("cpu")

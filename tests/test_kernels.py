@@ -55,3 +55,17 @@ def test_auto_backend(device):
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
     with pytest.raises(ValueError, match="backend must be one of"):
         resolve_backend("cuda", device)
+
+
+@pytest.mark.parametrize("n", [1, 7, 5000])  # 5000: more than one block of the Triton kernel
+def test_count_targets_backends_agree_with_a_python_count(backend, device, n):
+    from flce.kernels.targets import count_targets
+
+    t = torch.randint(-3, 23, (n,), device=device)
+    t[torch.rand(n, device=device) < 0.3] = -100
+    counts, scale = count_targets(t, -100, 20, backend)
+    values = t.tolist()
+    valid = sum(v != -100 for v in values)
+    bad = sum(v != -100 and not 0 <= v < 20 for v in values)
+    assert counts.tolist() == [valid, bad]
+    assert scale.item() == pytest.approx(1.0 / max(valid, 1))

@@ -10,6 +10,7 @@ from torch import nn
 
 from .function import LinearCrossEntropyFunction, chunk_loop
 from .kernels import resolve_backend
+from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
 from .planner import plan_chunks
 
@@ -88,9 +89,11 @@ def linear_cross_entropy(
         chunk_size: rows per chunk (None: from a memory budget, see planner).
         backend: "auto" (triton on CUDA, torch elsewhere), "triton" or "torch".
         return_stats: also return a ``LossStats``.
-        validate_target: check targets lie in [0, V) and drop ignored rows before the GEMMs; this
-            syncs with the host once. False makes the call sync-free (CUDA-graph capture): targets
-            are then trusted and ignored rows are computed and zeroed.
+        validate_target: raise a ValueError for targets outside [0, V). From 1024 tokens this is one
+            host sync that also drops ignored rows before the GEMMs; below, the check runs in the
+            background and raises in forward or, at the latest, in backward (the loss is NaN until
+            then). False makes the call sync-free (CUDA-graph capture): targets are trusted, ignored
+            rows are computed and zeroed, and a target outside [0, V) gives a NaN loss.
     """
     if type(linear_weight) not in _PLAIN_TENSORS and _is_dtensor(linear_weight):  # Shard(0) or replicated
         from .distributed import linear_cross_entropy_dtensor  # lazy: distributed imports this module
@@ -108,28 +111,32 @@ def linear_cross_entropy(
 
     hidden, vocab = input.shape[-1], linear_weight.shape[0]
     x = input.reshape(-1, hidden)
-    t = target.reshape(-1).long().contiguous()
-    valid = t != ignore_index
+    t = t_all = target.reshape(-1).long().contiguous()
     # Everything that does not depend on dropping ignored rows is queued before the check's host
     # sync, so that less host work separates the sync from the first GEMM.
     class_w = weight.float().contiguous() if weight is not None else None
     weight_sum = class_w.sum() if class_w is not None else None
-    scale = None if reduction == "none" else _reduction_scale(t, valid, class_w, opts, num_items_in_batch)
+    counts = count_scale = None
+    if validate_target or _scale_counts(opts, class_w, num_items_in_batch):
+        counts, count_scale = count_targets(t, ignore_index, vocab, backend)
+    scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch, count_scale)
     rows = None  # indices of the valid rows, when ignored rows are dropped
     pending = None
     if validate_target and t.numel() >= COMPACT_MIN_ROWS:
-        rows = _check_and_compact(t, valid, vocab)
+        rows = _check_and_compact(t, vocab, ignore_index, counts)
         if rows is not None:
             x, t = x.index_select(0, rows), t.index_select(0, rows)
     elif validate_target and t.numel():
-        pending = _TargetCheck(t, valid, vocab)
+        pending = _TargetCheck(t, counts, vocab, ignore_index)
     plan = plan_chunks(x.shape[0], vocab, compute_dtype, linear_weight.dtype,
                        chunk_size=chunk_size, accum_dtype=accum_dtype)
     args = (x, linear_weight, linear_bias, t, class_w, weight_sum)
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:3]):
         loss, lse, correct = LinearCrossEntropyFunction.apply(
-            chunk_loop, *args, scale, opts, plan, compute_dtype, backend, return_stats
+            chunk_loop, *args, scale, opts, plan, compute_dtype, backend, return_stats, pending
         )
+        if pending is not None and not pending.done():
+            pending = None  # backward raises; meanwhile a bad row's loss is NaN (see _TargetCheck)
     else:  # nothing to differentiate: the loop computes the loss alone
         parts, _ = chunk_loop(*args, None, (False, False, False), opts, plan, compute_dtype, backend,
                               want_correct=return_stats)
@@ -139,10 +146,10 @@ def linear_cross_entropy(
     if pending is not None:
         pending.raise_if_bad()
     if reduction == "none":
-        loss = _scatter_rows(loss, rows, valid.numel()).reshape(target.shape)
+        loss = _scatter_rows(loss, rows, t_all.numel()).reshape(target.shape)
     if not return_stats:
         return loss
-    return loss, _stats(lse, correct, valid, rows, scale, opts, target.shape)
+    return loss, _stats(lse, correct, t_all != ignore_index, rows, scale, opts, target.shape)
 
 
 class LinearCrossEntropyLoss(nn.Module):
@@ -218,46 +225,64 @@ COMPACT_MIN_ROWS = 1024
 
 
 class _TargetCheck:
-    """Range check copied to the host in the background, read after the forward kernels are queued."""
+    """Range check copied to the host in the background.
 
-    def __init__(self, t: torch.Tensor, valid: torch.Tensor, vocab: int) -> None:
-        self.t, self.vocab = t, vocab
-        self.bad = valid & ((t < 0) | (t >= vocab))
-        count = self.bad.sum()
-        self.host = torch.empty((), dtype=count.dtype, pin_memory=t.is_cuda)
-        self.host.copy_(count, non_blocking=True)
+    Forward raises if the copy has already landed; otherwise, when a backward follows, backward raises
+    once its own kernels are queued, so waiting never leaves the GPU without work (a forward-time
+    wait drains the queue each step and made small batches slower than eager). Until then the loss is
+    not a plausible number: the CE kernel gives a row with a bad target a NaN loss and gradient.
+    """
+
+    def __init__(self, t: torch.Tensor, counts: torch.Tensor, vocab: int, ignore_index: int) -> None:
+        self.t, self.vocab, self.ignore_index = t, vocab, ignore_index
+        self.host = torch.empty(2, dtype=counts.dtype, pin_memory=t.is_cuda)
+        self.host.copy_(counts, non_blocking=True)
         self.event = torch.cuda.Event() if t.is_cuda else None
         if self.event is not None:
             self.event.record()
 
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
     def raise_if_bad(self) -> None:
         if self.event is not None:
             self.event.synchronize()
-        if self.host.item():
-            _raise_bad_targets(self.t, self.bad, self.vocab, self.host.item())
+        n_bad = int(self.host[1])
+        if n_bad:
+            _raise_bad_targets(self.t, self.vocab, self.ignore_index, n_bad)
 
 
-def _raise_bad_targets(t, bad, vocab, n_bad):
+def _raise_bad_targets(t, vocab, ignore_index, n_bad):
+    bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
     first = t[bad][0].item()
     raise ValueError(f"target holds {n_bad} value(s) outside [0, {vocab}) that are not ignore_index "
                      f"(first: {first})")
 
 
-def _check_and_compact(t: torch.Tensor, valid: torch.Tensor, vocab: int) -> torch.Tensor | None:
-    """Raise on targets outside [0, V); return the valid rows' indices if any row is ignored."""
-    bad = valid & ((t < 0) | (t >= vocab))
-    n_valid, n_bad = torch.stack([valid.sum(), bad.sum()]).tolist()  # the one host sync
+def _check_and_compact(t: torch.Tensor, vocab: int, ignore_index: int,
+                       counts: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Raise on targets outside [0, V); return the valid rows' indices if any row is ignored.
+    ``counts``: ``count_targets``' counts if already queued."""
+    if counts is None:
+        counts, _ = count_targets(t, ignore_index, vocab, "torch")
+    n_valid, n_bad = counts.tolist()  # the one host sync
     if n_bad:
-        _raise_bad_targets(t, bad, vocab, n_bad)
+        _raise_bad_targets(t, vocab, ignore_index, n_bad)
     if n_valid == t.numel():
         return None
-    return valid.nonzero().squeeze(1)
+    return (t != ignore_index).nonzero().squeeze(1)
 
 
-def _reduction_scale(t, valid, class_w, opts: LossOptions, num_items) -> torch.Tensor:
+def _scale_counts(opts: LossOptions, class_w, num_items) -> bool:
+    """Whether the reduction's scale is 1 / (number of valid targets)."""
+    return opts.reduction == "mean" and class_w is None and num_items is None
+
+
+def _reduction_scale(t, class_w, opts: LossOptions, num_items, count_scale=None) -> torch.Tensor:
     """0-d float32 factor that turns the sum of row losses into the reduced loss (0 if nothing counts).
 
-    Built with as few launches as possible (and no host-to-device copy, which would wait for the GPU).
+    Built with as few launches as possible (and no host-to-device copy, which would wait for the GPU);
+    ``count_scale``: ``count_targets``' 1 / max(valid, 1) if already queued.
     """
     device = t.device
     if num_items is not None:
@@ -269,8 +294,10 @@ def _reduction_scale(t, valid, class_w, opts: LossOptions, num_items) -> torch.T
     elif class_w is not None:
         vocab = class_w.numel()
         denom = (class_w[t.clamp(0, vocab - 1)] * (t != opts.ignore_index)).sum()
-    else:  # a count: with no valid row the loss sum is 0 anyway, so 1 / max(count, 1) is exact
-        return valid.sum(dtype=torch.float32).clamp_(min=1.0).reciprocal_()
+    elif count_scale is not None:  # with no valid row the loss sum is 0 anyway, so 1 / max(count, 1) is exact
+        return count_scale
+    else:
+        return (t != opts.ignore_index).sum(dtype=torch.float32).clamp_(min=1.0).reciprocal_()
     return torch.where(denom != 0, 1.0 / denom, torch.zeros_like(denom))
 
 

@@ -154,12 +154,12 @@ def vocab_parallel_linear_cross_entropy(
     _check_class_weight(weight, layout.vocab, input.device)
     rows = None
     if validate_target and t.numel():
-        rows = _check_and_compact(t, valid, layout.vocab)
+        rows = _check_and_compact(t, layout.vocab, ignore_index)
         if rows is not None:
             x, t = x.index_select(0, rows), t.index_select(0, rows)
 
     class_w = weight.float().contiguous() if weight is not None else None
-    scale = None if reduction == "none" else _reduction_scale(t, valid, class_w, opts, num_items_in_batch)
+    scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch)
     plan = plan_chunks(x.shape[0], local_vocab, compute_dtype, linear_weight_shard.dtype,
                        chunk_size=chunk_size, accum_dtype=accum_dtype)
     setup = _Setup(opts, plan, compute_dtype, backend, layout, group, return_stats)

@@ -121,19 +121,31 @@ def chunk_loop(
     return parts, grads
 
 
+# Below this many bytes of dlogits, grad_output scales dlogits in place: one launch instead of two
+# (small batches are launch-bound); above it, scaling the smaller x_c moves fewer bytes.
+FOLD_INTO_DLOGITS_BYTES = 32 << 20
+
+
 def finish_pending(p: PendingGrads, g: torch.Tensor, needs, dtypes, backend) -> ChunkGrads:
-    """Backward of a single-chunk forward: the two GEMMs, with grad_output folded into x_c."""
+    """Backward of a single-chunk forward: the two GEMMs, with grad_output folded into an operand."""
     x_dtype, w_dtype, b_dtype = dtypes
+    dl, x, g_left = p.dlogits, p.x, g
+    if dl.numel() * dl.element_size() <= FOLD_INTO_DLOGITS_BYTES:
+        dl, g_left = dl.mul_(g), None
+    elif needs[1]:
+        x = p.x * g  # a 0-d g keeps x's dtype
     grads = ChunkGrads(None, None, None)
     if needs[0]:
         grads.input = torch.empty(p.x.shape, dtype=x_dtype, device=p.x.device)
-        mm_into(grads.input, p.dlogits, p.w, accumulate=False)
-        scale_into(grads.input, g, x_dtype, backend)
+        mm_into(grads.input, dl, p.w, accumulate=False)
+        if g_left is not None:
+            scale_into(grads.input, g_left, x_dtype, backend)
     if needs[1]:
         grads.weight = torch.empty(p.w.shape, dtype=w_dtype, device=p.w.device)
-        mm_into(grads.weight, p.dlogits.t(), p.x * g, accumulate=False)  # a 0-d g keeps x's dtype
+        mm_into(grads.weight, dl.t(), x, accumulate=False)
     if needs[2]:
-        grads.bias = (p.dlogits.sum(0, dtype=torch.float32) * g).to(b_dtype)
+        b = dl.sum(0, dtype=torch.float32)
+        grads.bias = (b if g_left is None else b * g_left).to(b_dtype)
     return grads
 
 
@@ -176,18 +188,20 @@ def scale_grads(grads: ChunkGrads, g: torch.Tensor | None, dtypes, backend: str 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Inputs: loop (``chunk_loop``, or a loop with its contract such as the grouped one), x (n, H),
     weight (V, H), bias, target (n,), class_weight, weight_sum, grad_scale (0-d reduction scale, or
-    None for reduction='none'), opts, plan, compute_dtype, backend, want_correct.
+    None for reduction='none'), opts, plan, compute_dtype, backend, want_correct, target_check (an
+    object whose ``raise_if_bad()`` backward calls once its kernels are queued, or None).
     Outputs: loss (0-d, or per row for 'none'), lse, correct (or empty)."""
 
     @staticmethod
     def forward(ctx, loop, x, weight, bias, target, class_weight, weight_sum, grad_scale, opts, plan,
-                compute_dtype, backend, want_correct):
+                compute_dtype, backend, want_correct, target_check):
         ctx.set_materialize_grads(False)  # lse and correct get no gradient: skip their zero tensors
         needs = tuple(ctx.needs_input_grad[1:4])
         parts, grads = loop(x, weight, bias, target, class_weight, weight_sum, grad_scale, needs, opts, plan,
                             compute_dtype, backend, want_correct, defer=True)
         ctx.meta = (loop, opts, plan, compute_dtype, backend, needs,
                     (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
+        ctx.target_check = target_check
         return finish_forward(ctx, parts, grads, grad_scale, (x, weight, bias, target, class_weight, weight_sum))
 
     @staticmethod
@@ -201,4 +215,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         elif grads is None:  # reduction="none": run the loop again with the per-row grad_output
             _, grads = loop(*ctx.saved_tensors, g.contiguous(), needs, opts, plan, compute_dtype, backend)
             g = None
-        return None, *scale_grads(grads, g, dtypes, backend), *([None] * 9)
+        out = scale_grads(grads, g, dtypes, backend)
+        if ctx.target_check is not None:  # waits only now, with this backward's kernels already queued
+            ctx.target_check.raise_if_bad()
+        return None, *out, *([None] * 10)

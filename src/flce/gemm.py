@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 # Flipped by tests to exercise the fallback on builds that do have out_dtype.
 FORCE_FALLBACK = False
@@ -37,6 +38,11 @@ def supports_out_dtype(device: torch.device, batched: bool = False) -> bool:
 
 def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool) -> None:
     """out = a @ b, or out += a @ b; ``out`` may be wider (float32) than the operands."""
+    if a.shape[1] == 1:
+        # An outer product (one row, e.g. grad_weight at batch 1): cuBLAS's K=1 kernel writes the
+        # (V, H) result at a third of copy speed (0.82 ms vs 0.29 for K=2 at 128256 x 4096 on an
+        # H200); a zero second term costs nothing and leaves every value unchanged.
+        a, b = F.pad(a, (0, 1)), F.pad(b, (0, 0, 0, 1))
     _gemm_into(out, a, b, accumulate, batched=False)
 
 

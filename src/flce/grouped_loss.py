@@ -93,14 +93,14 @@ def grouped_linear_cross_entropy(
 
     class_w = weight.float().contiguous() if weight is not None else None
     weight_sum = class_w.sum() if class_w is not None else None
-    scale = None if reduction == "none" else _reduction_scale(t, valid, class_w, opts, num_items_in_batch)
+    scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch)
     base = plan_chunks(t.shape[batch_dim], groups * vocab, compute_dtype, linear_weight.dtype,
                        chunk_size=chunk_size, accum_dtype=accum_dtype)
     plan = GroupedChunkPlan(base.n_rows, base.rows, base.accum_dtype, group_major)
     args = (x, linear_weight, linear_bias, t, class_w, weight_sum)
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:3]):
         loss, lse, correct = LinearCrossEntropyFunction.apply(
-            grouped_chunk_loop, *args, scale, opts, plan, compute_dtype, backend, return_stats
+            grouped_chunk_loop, *args, scale, opts, plan, compute_dtype, backend, return_stats, None
         )
     else:
         parts, _ = grouped_chunk_loop(*args, None, (False, False, False), opts, plan, compute_dtype,

@@ -31,6 +31,8 @@ def ce_chunk_torch(
     if cap is not None:
         z = cap * torch.tanh(z / cap)
     valid = target != opts.ignore_index
+    # As the kernel does: an unchecked target outside [0, V) gives its row a NaN loss and gradient.
+    poison = torch.where(valid & ((target < 0) | (target >= vocab)), float("nan"), 0.0)
     y = target.clamp(0, vocab - 1)
     # As the kernel computes it (not torch.logsumexp): a +inf logit gives NaN, never a finite or inf loss.
     m = z.amax(1)
@@ -47,7 +49,7 @@ def ce_chunk_torch(
         row_loss = row_loss + eps / vocab * (w_sum * row_lse - sum_z)
     if opts.z_loss > 0.0:
         row_loss = row_loss + opts.z_loss * row_lse.square()
-    loss.copy_(torch.where(valid, row_loss, 0.0))
+    loss.copy_(torch.where(valid, row_loss + poison, 0.0))
     lse.copy_(torch.where(valid, row_lse, 0.0))
     if correct is not None:
         correct.copy_(((z.argmax(1) == y) & valid).float())
@@ -62,5 +64,5 @@ def ce_chunk_torch(
     if cap is not None:
         g *= 1.0 - (z / cap).square()
     scale = grad_scale.float() / opts.temperature
-    g *= scale[:, None] if scale.dim() == 1 else scale
+    g *= (scale + poison)[:, None]
     logits.copy_(torch.where(valid[:, None], g, 0.0))

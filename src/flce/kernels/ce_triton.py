@@ -128,6 +128,8 @@ def _ce_kernel(
         row_ptr = logits_ptr + row * stride_row
         y = tl.load(target_ptr + row)
         valid = y != ignore_index
+        # An unchecked target outside [0, V) poisons its row (NaN loss and gradient), never a number.
+        poison = tl.where(valid & ((y < 0) | (y >= V)), float("nan"), 0.0)
         y = tl.minimum(tl.maximum(y, 0), V - 1)  # safe index for ignored (or unchecked) targets
 
         m, s, sum_z, best_idx = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT,
@@ -146,7 +148,7 @@ def _ce_kernel(
             loss += smoothing / V * (w_sum * lse - sum_z)
         if HAS_Z_LOSS:
             loss += z_loss * lse * lse
-        tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+        tl.store(loss_ptr + row, tl.where(valid, loss + poison, 0.0))
         tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
         if COMPUTE_ACC:
             tl.store(correct_ptr + row, (valid & (best_idx == y)).to(tl.float32))
@@ -162,7 +164,7 @@ def _ce_kernel(
                 scale = tl.load(scale_ptr + row).to(tl.float32)
             else:
                 scale = tl.load(scale_ptr).to(tl.float32)
-            scale = scale * inv_temp
+            scale = scale * inv_temp + poison
             _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, coef, (1.0 - smoothing) * w_y, smoothing / V,
                             scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, BLOCK_V)
 

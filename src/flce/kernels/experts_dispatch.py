@@ -30,7 +30,7 @@ from . import triton_available
 GEMM_PATHS = ("auto", "triton", "triton_tma", "grouped_mm", "loop")
 ELEMENTWISE_BACKENDS = ("auto", "triton", "torch")
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_TIMING_REPS = 3
+_TIMING_ROUNDS = 7
 _choices: dict[tuple, str] = {}
 
 
@@ -111,15 +111,25 @@ def _can_measure(device: torch.device) -> bool:
     return not (compiler is not None and compiler.is_compiling())
 
 
-def _time_ms(fn: Callable[[], object]) -> float:
-    fn()  # compiles and autotunes outside the timing
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(_TIMING_REPS):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / _TIMING_REPS
+def _time_all(fns: dict[str, Callable[[], object]], key: tuple) -> dict[str, float]:
+    """Median milliseconds of each function, timed in interleaved rounds so that clock and power drift
+    during the measurement does not favour whichever runs first; a function that fails is left out."""
+    for name, fn in list(fns.items()):
+        try:
+            fn()  # compiles and autotunes outside the timing
+        except Exception as exc:  # noqa: BLE001 - a path that cannot run this problem is just not a candidate
+            warnings.warn(f"flce experts: GEMM path {name!r} failed on {key}: {exc}", stacklevel=4)
+            del fns[name]
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(_TIMING_ROUNDS):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
 def _pick(key: tuple, candidates: list[str], run: Callable[[str], torch.Tensor], device: torch.device) -> str:
@@ -129,12 +139,7 @@ def _pick(key: tuple, candidates: list[str], run: Callable[[str], torch.Tensor],
         return _choices[key]
     if not _can_measure(device):
         return candidates[0]
-    timings = {}
-    for name in candidates:
-        try:
-            timings[name] = _time_ms(lambda n=name: run(n))
-        except Exception as exc:  # noqa: BLE001 - a path that cannot run this problem is just not a candidate
-            warnings.warn(f"flce experts: GEMM path {name!r} failed on {key}: {exc}", stacklevel=3)
+    timings = _time_all({name: (lambda n=name: run(n)) for name in candidates}, key)
     _choices[key] = min(timings, key=timings.get) if timings else candidates[0]
     return _choices[key]
 
