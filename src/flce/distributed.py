@@ -335,9 +335,9 @@ def _write_grad(logits, rows: _Rows, classes: _Classes, setup: _Setup, lse, scal
     opts, vocab = setup.opts, setup.layout.vocab
     eps = opts.label_smoothing
     target_coef = (1.0 - eps) * rows.target_weight[chunk]
-    coef = target_coef + eps / vocab * classes.total + 2.0 * opts.z_loss * lse
+    extra_coef = eps / vocab * classes.total + 2.0 * opts.z_loss * lse
     scale = torch.where(rows.valid[chunk], scale.float() / opts.temperature, 0.0)
-    shard_grad(setup.backend, logits, rows.local[chunk], classes.local, lse.contiguous(), coef.contiguous(),
+    shard_grad(setup.backend, logits, rows.local[chunk], classes.local, lse.contiguous(), extra_coef.contiguous(),
                target_coef.contiguous(), scale.contiguous(), eps / vocab, opts)
 
 

@@ -56,11 +56,15 @@ def ce_chunk_torch(
     if grad_scale is None:
         return
 
-    coef = (1.0 - eps) * w_y + eps / vocab * w_sum + 2.0 * opts.z_loss * row_lse
-    g = coef[:, None] * torch.exp(z - row_lse[:, None])
+    # As the kernel: target_coef * (p - onehot) + extra * p, with p_y - 1 formed before any product.
+    target_coef = (1.0 - eps) * w_y
+    extra = eps / vocab * w_sum + 2.0 * opts.z_loss * row_lse
+    p = torch.exp(z - row_lse[:, None])
+    g = (target_coef + extra)[:, None] * p
+    p_y = p.gather(1, y[:, None])[:, 0]
+    g.scatter_(1, y[:, None], (target_coef * (p_y - 1.0) + extra * p_y)[:, None])
     if eps > 0.0:
         g -= eps / vocab * (w if w is not None else 1.0)
-    g.scatter_add_(1, y[:, None], -((1.0 - eps) * w_y)[:, None])
     if cap is not None:
         g *= 1.0 - (z / cap).square()
     scale = grad_scale.float() / opts.temperature

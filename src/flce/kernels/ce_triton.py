@@ -68,26 +68,28 @@ def _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT: tl.c
 
 
 @triton.jit
-def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, coef, target_coef, smoothing_per_class, scale,
+def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class, scale,
                     keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Pass 2: dz_j = coef * p_j - target_coef [j == y] - smoothing_per_class * w_j, chained through
-    softcap and temperature (``scale`` includes 1/T), written over the row; exact zeros where not
-    ``keep`` (never 0 * NaN). Backwards over V: the blocks pass 1 read last are likeliest still in L2."""
+    """Pass 2: dz_j = target_coef * (p_j - [j == y]) + extra_coef * p_j - smoothing_per_class * w_j,
+    chained through softcap and temperature (``scale`` includes 1/T), written over the row; exact zeros
+    where not ``keep`` (never 0 * NaN). p_y - 1 is exact for a confident target (p_y >= 1/2), so a
+    small target gradient is not the difference of two rounded O(1) terms. Backwards over V: the
+    blocks pass 1 read last are likeliest still in L2."""
     last = (V - 1) // BLOCK_V * BLOCK_V
     for back in range(0, V, BLOCK_V):
         cols = (last - back) + tl.arange(0, BLOCK_V)
         mask = cols < V
         raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         z = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
-        g = coef * tl.exp(z - lse)
+        p = tl.exp(z - lse)
+        g = target_coef * (p - tl.where(cols == y, 1.0, 0.0)) + extra_coef * p
         if HAS_SMOOTHING:
             if HAS_WEIGHT:
                 w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 g -= smoothing_per_class * w
             else:
                 g -= smoothing_per_class
-        g = tl.where(cols == y, g - target_coef, g)
         if HAS_SOFTCAP:
             t = z / softcap
             g = g * (1.0 - t * t)
@@ -155,17 +157,17 @@ def _ce_kernel(
 
         if COMPUTE_GRAD:
             # Pass 2, times the reduction's scale; ignored rows get exact zeros.
-            coef = (1.0 - smoothing) * w_y
+            extra_coef = 0.0  # the part of dz / dp that is not the target's (1 - smoothing) * w_y
             if HAS_SMOOTHING:
-                coef += smoothing / V * w_sum
+                extra_coef += smoothing / V * w_sum
             if HAS_Z_LOSS:
-                coef += 2.0 * z_loss * lse
+                extra_coef += 2.0 * z_loss * lse
             if SCALE_PER_ROW:
                 scale = tl.load(scale_ptr + row).to(tl.float32)
             else:
                 scale = tl.load(scale_ptr).to(tl.float32)
             scale = scale * inv_temp + poison
-            _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, coef, (1.0 - smoothing) * w_y, smoothing / V,
+            _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y, smoothing / V,
                             scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, BLOCK_V)
 
 

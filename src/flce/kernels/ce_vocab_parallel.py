@@ -58,7 +58,7 @@ def shard_grad(
     target_local: torch.Tensor,
     class_weight: torch.Tensor | None,
     lse: torch.Tensor,
-    coef: torch.Tensor,
+    extra_coef: torch.Tensor,
     target_coef: torch.Tensor,
     scale: torch.Tensor,
     smoothing_per_class: float,
@@ -68,13 +68,13 @@ def shard_grad(
 
     Per element, with p_j = exp(z_j - lse)::
 
-        dz_j = coef * p_j - smoothing_per_class * w_j - target_coef * [j == target_local]
+        dz_j = target_coef * (p_j - [j == target_local]) + extra_coef * p_j - smoothing_per_class * w_j
 
     chained through softcap, times ``scale``. Rows whose scale is 0 get exact zeros.
 
     Args:
         logits: (n, V_local) raw logits, overwritten. target_local: (n,) int64, -1 if not here.
-        class_weight: (V_local,) float32 or None (w_j = 1). lse, coef, target_coef, scale: (n,)
+        class_weight: (V_local,) float32 or None (w_j = 1). lse, extra_coef, target_coef, scale: (n,)
             float32; ``scale`` already holds grad_output / temperature (0 on ignored rows).
     """
     if logits.numel() == 0:
@@ -82,10 +82,10 @@ def shard_grad(
     if backend == "triton":
         from .ce_vocab_parallel_triton import shard_grad_triton
 
-        shard_grad_triton(logits, target_local, class_weight, lse, coef, target_coef, scale,
+        shard_grad_triton(logits, target_local, class_weight, lse, extra_coef, target_coef, scale,
                           smoothing_per_class, opts)
     else:
-        _shard_grad_torch(logits, target_local, class_weight, lse, coef, target_coef, scale,
+        _shard_grad_torch(logits, target_local, class_weight, lse, extra_coef, target_coef, scale,
                           smoothing_per_class, opts)
 
 
@@ -106,14 +106,18 @@ def _shard_stats_torch(logits, target_local, class_weight, opts, out) -> None:
         out[SUM_LOGITS] = (z * class_weight).sum(1) if class_weight is not None else z.sum(1)
 
 
-def _shard_grad_torch(logits, target_local, class_weight, lse, coef, target_coef, scale,
+def _shard_grad_torch(logits, target_local, class_weight, lse, extra_coef, target_coef, scale,
                       smoothing_per_class, opts) -> None:
     z = _capped_logits(logits, opts)
-    g = coef[:, None] * torch.exp(z - lse[:, None])
+    p = torch.exp(z - lse[:, None])
+    g = (target_coef + extra_coef)[:, None] * p
+    here = target_local >= 0
+    y = target_local.clamp(min=0)[:, None]
+    p_y = p.gather(1, y)[:, 0]
+    g_y = target_coef * (p_y - 1.0) + extra_coef * p_y  # p_y - 1 first, as the kernel
+    g.scatter_(1, y, torch.where(here, g_y, g.gather(1, y)[:, 0])[:, None])
     if opts.label_smoothing > 0.0:
         g -= smoothing_per_class * (class_weight if class_weight is not None else 1.0)
-    here = target_local >= 0
-    g.scatter_add_(1, target_local.clamp(min=0)[:, None], torch.where(here, -target_coef, 0.0)[:, None])
     if opts.softcap is not None:
         g *= 1.0 - (z / opts.softcap).square()
     logits.copy_(torch.where(scale[:, None] != 0, g * scale[:, None], 0.0))

@@ -54,7 +54,7 @@ def _shard_grad_kernel(
     target_ptr,
     class_weight_ptr,
     lse_ptr,
-    coef_ptr,
+    extra_coef_ptr,
     target_coef_ptr,
     scale_ptr,
     V,
@@ -70,11 +70,11 @@ def _shard_grad_kernel(
     row_ptr = logits_ptr + row * stride_row
     y = tl.load(target_ptr + row)
     lse = tl.load(lse_ptr + row)
-    coef = tl.load(coef_ptr + row)
+    extra_coef = tl.load(extra_coef_ptr + row)
     target_coef = tl.load(target_coef_ptr + row)
     scale = tl.load(scale_ptr + row)
     # y = -1 (target in another shard) matches no column; scale 0 marks an ignored row: exact zeros.
-    _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, coef, target_coef, smoothing_per_class, scale,
+    _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class, scale,
                     scale != 0.0, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, BLOCK_V)
 
 
@@ -99,7 +99,7 @@ def shard_stats_triton(logits, target_local, class_weight, opts: LossOptions, ou
     )
 
 
-def shard_grad_triton(logits, target_local, class_weight, lse, coef, target_coef, scale,
+def shard_grad_triton(logits, target_local, class_weight, lse, extra_coef, target_coef, scale,
                       smoothing_per_class: float, opts: LossOptions) -> None:
     n, vocab = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
@@ -107,7 +107,7 @@ def shard_grad_triton(logits, target_local, class_weight, lse, coef, target_coef
     _shard_grad_kernel[(n,)](
         logits, logits.stride(0), target_local,
         class_weight if class_weight is not None else lse,  # placeholder pointer, never read
-        lse, coef, target_coef, scale, vocab, float(smoothing_per_class),
+        lse, extra_coef, target_coef, scale, vocab, float(smoothing_per_class),
         float(opts.softcap or 1.0), 1.0 / opts.temperature,
         HAS_WEIGHT=class_weight is not None,
         HAS_SMOOTHING=opts.label_smoothing > 0.0,
