@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import capture_graph
 from reference import assert_close, chunked_reference_grads, reference_loss, rel_err
 
 import flce
@@ -110,17 +111,7 @@ def test_cuda_graph_capture_and_replay():
         loss.backward()
         return loss
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    x.grad = w.grad = None
-    with torch.cuda.graph(graph):
-        static_loss = flce.linear_cross_entropy(x, w, static_t, validate_target=False)
-        static_loss.backward()
+    graph, static_loss = capture_graph(step)  # step clears .grad: the replay assigns, never accumulates
     new_t = torch.randint(0, 32000, t.shape, device=CUDA)
     static_t.copy_(new_t)
     graph.replay()

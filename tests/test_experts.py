@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from conftest import capture_graph
 from reference import TOL, assert_close, rel_err
 
 import flce
@@ -296,8 +297,8 @@ def test_auto_dispatch_measures_once_and_keeps_the_fastest(monkeypatch):
     calls = []
     monkeypatch.setattr(dispatch, "_choices", {})
     monkeypatch.setattr(dispatch, "_can_measure", lambda device: True)
-    monkeypatch.setattr(dispatch, "_time_all",
-                        lambda fns, key: {name: (calls.append(fn()), timings[calls[-1]])[1] for name, fn in fns.items()})
+    monkeypatch.setattr(dispatch, "_time_all", lambda fns, key: {
+        name: (calls.append(fn()), timings[calls[-1]])[1] for name, fn in fns.items()})
     run = lambda name: name  # noqa: E731
     key = ("rows", "k")
     assert dispatch._pick(key, ["triton", "grouped_mm"], run, torch.device("cpu")) == "grouped_mm"
@@ -400,15 +401,7 @@ def test_gpu_cuda_graph_capture_and_replay(gemm):
         out = fx.experts_forward(x, static_ids, static_w, gate_up, down, gemm=gemm)
         return (out, *torch.autograd.grad(out, (x, static_w, gate_up, down), static_g))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_graph(step)
 
     for case in ("one_expert", "empty_expert", "dropped", "random"):
         static_ids.copy_(routing(case, tokens, top_k, experts, "cuda"))

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import capture_graph
 from reference import TOL, assert_close, rel_err
 
 import flce
@@ -297,17 +298,11 @@ def test_gpu_cuda_graph_capture_and_replay(group_major):
         y.backward(static_dy)
         return y
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    for p in (static_x, mod.weight, mod.bias):
-        p.grad = None
-    with torch.cuda.graph(graph):
-        static_y = step()
+    def clear_grads():
+        for p in (static_x, mod.weight, mod.bias):
+            p.grad = None
+
+    graph, static_y = capture_graph(step, clear_grads)
 
     for _ in range(2):
         with torch.no_grad():

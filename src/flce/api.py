@@ -116,10 +116,9 @@ def linear_cross_entropy(
     # sync, so that less host work separates the sync from the first GEMM.
     class_w = weight.float().contiguous() if weight is not None else None
     weight_sum = class_w.sum() if class_w is not None else None
-    counts = count_scale = None
-    if validate_target or _scale_counts(opts, class_w, num_items_in_batch):
-        counts, count_scale = count_targets(t, ignore_index, vocab, backend)
-    scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch, count_scale)
+    counts, count_scale = count_targets(t, ignore_index, vocab, backend)
+    scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch,
+                                                              count_scale)
     rows = None  # indices of the valid rows, when ignored rows are dropped
     pending = None
     if validate_target and t.numel() >= COMPACT_MIN_ROWS:
@@ -260,11 +259,9 @@ def _raise_bad_targets(t, vocab, ignore_index, n_bad):
 
 
 def _check_and_compact(t: torch.Tensor, vocab: int, ignore_index: int,
-                       counts: torch.Tensor | None = None) -> torch.Tensor | None:
+                       counts: torch.Tensor) -> torch.Tensor | None:
     """Raise on targets outside [0, V); return the valid rows' indices if any row is ignored.
-    ``counts``: ``count_targets``' counts if already queued."""
-    if counts is None:
-        counts, _ = count_targets(t, ignore_index, vocab, "torch")
+    ``counts``: ``count_targets``' counts of t."""
     n_valid, n_bad = counts.tolist()  # the one host sync
     if n_bad:
         _raise_bad_targets(t, vocab, ignore_index, n_bad)
@@ -273,16 +270,11 @@ def _check_and_compact(t: torch.Tensor, vocab: int, ignore_index: int,
     return (t != ignore_index).nonzero().squeeze(1)
 
 
-def _scale_counts(opts: LossOptions, class_w, num_items) -> bool:
-    """Whether the reduction's scale is 1 / (number of valid targets)."""
-    return opts.reduction == "mean" and class_w is None and num_items is None
-
-
-def _reduction_scale(t, class_w, opts: LossOptions, num_items, count_scale=None) -> torch.Tensor:
+def _reduction_scale(t, class_w, opts: LossOptions, num_items, count_scale: torch.Tensor) -> torch.Tensor:
     """0-d float32 factor that turns the sum of row losses into the reduced loss (0 if nothing counts).
 
     Built with as few launches as possible (and no host-to-device copy, which would wait for the GPU);
-    ``count_scale``: ``count_targets``' 1 / max(valid, 1) if already queued.
+    ``count_scale``: ``count_targets``' 1 / max(valid, 1).
     """
     device = t.device
     if num_items is not None:
@@ -294,10 +286,8 @@ def _reduction_scale(t, class_w, opts: LossOptions, num_items, count_scale=None)
     elif class_w is not None:
         vocab = class_w.numel()
         denom = (class_w[t.clamp(0, vocab - 1)] * (t != opts.ignore_index)).sum()
-    elif count_scale is not None:  # with no valid row the loss sum is 0 anyway, so 1 / max(count, 1) is exact
+    else:  # a count: with no valid row the loss sum is 0 anyway, so 1 / max(count, 1) is exact
         return count_scale
-    else:
-        return (t != opts.ignore_index).sum(dtype=torch.float32).clamp_(min=1.0).reciprocal_()
     return torch.where(denom != 0, 1.0 / denom, torch.zeros_like(denom))
 
 

@@ -28,6 +28,7 @@ from .function import ChunkGrads, LossParts, finish_forward, scale_grads, take_g
 from .gemm import mm_into
 from .kernels import resolve_backend
 from .kernels.ce_vocab_parallel import ROW_MAX, STATS, SUM_EXP, SUM_LOGITS, TARGET_LOGIT, shard_grad, shard_stats
+from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
 from .planner import ChunkPlan, plan_chunks
 
@@ -152,14 +153,15 @@ def vocab_parallel_linear_cross_entropy(
     valid = t != ignore_index
     layout = learn_layout(local_vocab, t, group, shard_sizes, check=validate_target)
     _check_class_weight(weight, layout.vocab, input.device)
+    counts, count_scale = count_targets(t, ignore_index, layout.vocab, backend)
     rows = None
     if validate_target and t.numel():
-        rows = _check_and_compact(t, layout.vocab, ignore_index)
+        rows = _check_and_compact(t, layout.vocab, ignore_index, counts)
         if rows is not None:
             x, t = x.index_select(0, rows), t.index_select(0, rows)
 
     class_w = weight.float().contiguous() if weight is not None else None
-    scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch)
+    scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch, count_scale)
     plan = plan_chunks(x.shape[0], local_vocab, compute_dtype, linear_weight_shard.dtype,
                        chunk_size=chunk_size, accum_dtype=accum_dtype)
     setup = _Setup(opts, plan, compute_dtype, backend, layout, group, return_stats)

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import LossStats, _check_tensors, _compute_dtype, _reduction_scale, _stats
+from .api import LossStats, _check_tensors, _compute_dtype, _raise_bad_targets, _reduction_scale, _stats
 from .function import ChunkGrads, LinearCrossEntropyFunction, LossParts
 from .gemm import bmm_into
 from .grouped import check_group_bias, group_major_view
 from .kernels import ce_chunk, resolve_backend
+from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
 from .planner import ChunkPlan, plan_chunks
 
@@ -85,15 +86,16 @@ def grouped_linear_cross_entropy(
 
     x, t = input, target.long()
     valid = t != ignore_index
+    counts, count_scale = count_targets(t.reshape(-1), ignore_index, vocab, backend)  # compaction keeps the count
     kept = None  # batch positions kept, when some are ignored in every group
     if validate_target and t.numel():
-        kept = _check_and_compact(t, valid, vocab, batch_dim)
+        kept = _check_and_compact(t, valid, counts, vocab, ignore_index, batch_dim)
         if kept is not None:
             x, t = x.index_select(batch_dim, kept), t.index_select(batch_dim, kept)
 
     class_w = weight.float().contiguous() if weight is not None else None
     weight_sum = class_w.sum() if class_w is not None else None
-    scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch)
+    scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch, count_scale)
     base = plan_chunks(t.shape[batch_dim], groups * vocab, compute_dtype, linear_weight.dtype,
                        chunk_size=chunk_size, accum_dtype=accum_dtype)
     plan = GroupedChunkPlan(base.n_rows, base.rows, base.accum_dtype, group_major)
@@ -225,16 +227,14 @@ def _check_grouped(input, linear_weight, target, bias, class_weight, group_major
                    class_weight)
 
 
-def _check_and_compact(t: torch.Tensor, valid: torch.Tensor, vocab: int, batch_dim: int) -> torch.Tensor | None:
+def _check_and_compact(t: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor, vocab: int, ignore_index: int,
+                       batch_dim: int) -> torch.Tensor | None:
     """Raise on targets outside [0, V); return the batch positions to keep if some are ignored in
-    every group (one host sync)."""
+    every group (one host sync). ``counts``: ``count_targets``' counts of t."""
     keep = valid.any(dim=1 - batch_dim)
-    bad = valid & ((t < 0) | (t >= vocab))
-    n_keep, n_bad = torch.stack([keep.sum(), bad.sum()]).tolist()
+    n_keep, n_bad = torch.stack([keep.sum(), counts[1]]).tolist()
     if n_bad:
-        first = t[bad][0].item()
-        raise ValueError(f"target holds {n_bad} value(s) outside [0, {vocab}) that are not ignore_index "
-                         f"(first: {first})")
+        _raise_bad_targets(t, vocab, ignore_index, n_bad)
     if n_keep == keep.numel():
         return None
     return keep.nonzero().squeeze(1)
