@@ -95,6 +95,11 @@ def stages(bt, hidden, vocab, dtype=torch.bfloat16):
             x.grad = w.grad = None
             flce.linear_cross_entropy(x, w, t, chunk_size=2 * rows).backward()
         out["flce_2x_chunk_ms"] = median_ms(wide_step)
+    if plan.num_chunks > 1 and bt * vocab * dtype.itemsize <= 4.5e9:  # every row's dlogits kept at once
+        def one_chunk_step():
+            x.grad = w.grad = None
+            flce.linear_cross_entropy(x, w, t, chunk_size=bt).backward()
+        out["flce_one_chunk_ms"] = median_ms(one_chunk_step)
     out["gemms_chunked_ms"] = median_ms(gemms_only)
     buf.normal_()
     out["ce_kernel_ms"] = median_ms(ce_only)

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from common import (MB, NAN, copy_bandwidth_gbs, free_memory, is_oom, make_row, measure, plot_bars,
+from common import (MB, NAN, copy_bandwidth_gbs, free_memory, is_oom, make_row, measure_interleaved, plot_bars,
                     plot_lines, progress)
 
 NAME = "lce"
@@ -316,14 +316,16 @@ def _run_cell(cell: Cell, methods: list[str], args, bandwidth: float, step) -> l
         grad_mb = (x.numel() + w.numel()) * item / MB if mode == "fwd+bwd" else 0.0
         weight_passes = 3 if mode == "fwd+bwd" else 1  # read W (logits), read W (grad_input), write grad_W
         byte_floor = weight_passes * w.numel() * item / (bandwidth * 1e9) * 1e3
+        fns = {}
         for method in methods:
-            step(f"{cell.shape} {mode} {method}")
             if method == FLOOR:  # the unavoidable work: valid rows only
                 x_valid = x.detach()[t != -100] if cell.ignored else x.detach()
-                fn = _floor_fn(x_valid, w.detach(), mode)
+                fns[method] = _floor_fn(x_valid, w.detach(), mode)
             else:
-                fn = _loss_fn(method, x, w, t, mode)
-            measured = measure(fn, args, flops)
+                fns[method] = _loss_fn(method, x, w, t, mode)
+        for method, measured in measure_interleaved(fns, args, flops).items():
+            step(f"{cell.shape} {mode} {method}")
+            fn = fns[method]
             extras = dict(sweep=cell.sweep, dtype=str(cell.dtype).removeprefix("torch."), BT=cell.bt,
                           H=cell.hidden, V=cell.vocab, ignored=cell.ignored,
                           overhead_mb=measured["peak_mb"] - grad_mb,

@@ -64,3 +64,30 @@ def test_smaller_budget_gives_smaller_chunks():
     big = plan_chunks(32768, 128256, torch.bfloat16, torch.bfloat16)
     small = plan_chunks(32768, 128256, torch.bfloat16, torch.bfloat16, memory_budget=DEFAULT_MEMORY_BUDGET // 8)
     assert small.rows <= big.rows
+
+
+def test_one_chunk_when_logits_fit_in_the_accumulator_it_saves():
+    llama3 = dict(vocab=128256, compute_dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
+    # 8192 rows of bf16 logits (2.1 GB) <= budget + the fp32 (V, H) accumulator (2.1 GB): one chunk.
+    plan = plan_chunks(8192, **llama3, weight_grad_hidden=4096)
+    assert plan.num_chunks == 1 and plan.accum_dtype == torch.bfloat16
+    fit = (DEFAULT_MEMORY_BUDGET + 128256 * 4096 * 4) // (128256 * 2)
+    assert plan_chunks(fit, **llama3, weight_grad_hidden=4096).num_chunks == 1
+    assert plan_chunks(fit + 1, **llama3, weight_grad_hidden=4096).num_chunks > 1
+    # No weight gradient, or an explicit accumulator, or an fp32 gradient: nothing is saved.
+    assert plan_chunks(8192, **llama3).num_chunks > 1
+    assert plan_chunks(8192, **llama3, weight_grad_hidden=4096, accum_dtype=torch.bfloat16).num_chunks > 1
+    assert plan_chunks(8192, 128256, torch.bfloat16, torch.float32, weight_grad_hidden=4096).num_chunks > 1
+    # A user's chunk size still wins.
+    assert plan_chunks(8192, **llama3, weight_grad_hidden=4096, chunk_size=2048).num_chunks == 4
+
+
+def test_weight_grad_hidden_follows_requires_grad_and_grad_mode():
+    from flce.planner import weight_grad_hidden
+
+    w = torch.randn(7, 5)
+    assert weight_grad_hidden(w) == 0
+    w.requires_grad_()
+    assert weight_grad_hidden(w) == 5
+    with torch.no_grad():
+        assert weight_grad_hidden(w) == 0

@@ -12,7 +12,7 @@ from .function import LinearCrossEntropyFunction, chunk_loop
 from .kernels import resolve_backend
 from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
-from .planner import plan_chunks
+from .planner import plan_chunks, weight_grad_hidden
 
 
 # Host time matters at small batches, where a step is launch-bound: the checks below stay cheap.
@@ -127,8 +127,8 @@ def linear_cross_entropy(
             x, t = x.index_select(0, rows), t.index_select(0, rows)
     elif validate_target and t.numel():
         pending = _TargetCheck(t, counts, vocab, ignore_index)
-    plan = plan_chunks(x.shape[0], vocab, compute_dtype, linear_weight.dtype,
-                       chunk_size=chunk_size, accum_dtype=accum_dtype)
+    plan = plan_chunks(x.shape[0], vocab, compute_dtype, linear_weight.dtype, chunk_size=chunk_size,
+                       accum_dtype=accum_dtype, weight_grad_hidden=weight_grad_hidden(linear_weight))
     args = (x, linear_weight, linear_bias, t, class_w, weight_sum)
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:3]):
         loss, lse, correct = LinearCrossEntropyFunction.apply(

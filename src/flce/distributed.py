@@ -30,7 +30,7 @@ from .kernels import resolve_backend
 from .kernels.ce_vocab_parallel import ROW_MAX, STATS, SUM_EXP, SUM_LOGITS, TARGET_LOGIT, shard_grad, shard_stats
 from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
-from .planner import ChunkPlan, plan_chunks
+from .planner import ChunkPlan, plan_chunks, weight_grad_hidden
 
 __all__ = [
     "ShardLayout",
@@ -163,7 +163,8 @@ def vocab_parallel_linear_cross_entropy(
     class_w = weight.float().contiguous() if weight is not None else None
     scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch, count_scale)
     plan = plan_chunks(x.shape[0], local_vocab, compute_dtype, linear_weight_shard.dtype,
-                       chunk_size=chunk_size, accum_dtype=accum_dtype)
+                       chunk_size=chunk_size, accum_dtype=accum_dtype,
+                       weight_grad_hidden=weight_grad_hidden(linear_weight_shard))
     setup = _Setup(opts, plan, compute_dtype, backend, layout, group, return_stats)
     row_facts, classes = _row_facts(t, class_w, layout, opts)
     args = (x, linear_weight_shard, linear_bias)

@@ -29,7 +29,7 @@ from .grouped import check_group_bias, group_major_view
 from .kernels import ce_chunk, resolve_backend
 from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
-from .planner import ChunkPlan, plan_chunks
+from .planner import ChunkPlan, plan_chunks, weight_grad_hidden
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,8 @@ def grouped_linear_cross_entropy(
     weight_sum = class_w.sum() if class_w is not None else None
     scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch, count_scale)
     base = plan_chunks(t.shape[batch_dim], groups * vocab, compute_dtype, linear_weight.dtype,
-                       chunk_size=chunk_size, accum_dtype=accum_dtype)
+                       chunk_size=chunk_size, accum_dtype=accum_dtype,
+                       weight_grad_hidden=weight_grad_hidden(linear_weight))
     plan = GroupedChunkPlan(base.n_rows, base.rows, base.accum_dtype, group_major)
     args = (x, linear_weight, linear_bias, t, class_w, weight_sum)
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:3]):

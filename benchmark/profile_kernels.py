@@ -1,0 +1,76 @@
+"""Kernel-by-kernel GPU time of the floor's three GEMMs and of flce steps, in one process.
+
+GPU only. Usage: PYTHONPATH=src python benchmark/profile_kernels.py [--shape 8192x4096x128256]
+[--chunk-sizes default,8192]. Prints, per variant, the summed CUDA time of each kernel name over
+``--steps`` steps and the wall time per step, so the gap between a step and its kernels is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import flce
+
+
+def _table(prof, steps: int) -> str:
+    rows = [(e.key, e.device_time_total / 1e3 / steps, e.count // steps) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    lines = [f"  {ms:8.3f} ms  x{n:<3d} {name[:90]}" for name, ms, n in rows[:14]]
+    return "\n".join(lines + [f"  {total:8.3f} ms  kernels per step"])
+
+
+def _run(name, fn, steps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3 / steps
+    print(f"{name}: {wall:.3f} ms per step (wall, profiled)\n{_table(prof, steps)}", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="8192x4096x128256")
+    p.add_argument("--chunk-sizes", default="default")
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args()
+    bt, hidden, vocab = map(int, args.shape.split("x"))
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    x = torch.randn(bt, hidden, device=dev, dtype=dt, requires_grad=True)
+    w = (torch.randn(vocab, hidden, device=dev) * hidden**-0.5).to(dt).requires_grad_()
+    t = torch.randint(0, vocab, (bt,), device=dev)
+    big = torch.empty(bt, vocab, device=dev, dtype=dt)
+
+    def floor():
+        xd, wd = x.detach(), w.detach()
+        torch.mm(xd, wd.t(), out=big)
+        torch.mm(big, wd)
+        torch.mm(big.t(), xd)
+
+    _run("floor", floor, args.steps)
+    del big
+    torch.cuda.empty_cache()
+    for spec in args.chunk_sizes.split(","):
+        chunk = None if spec == "default" else int(spec)
+
+        def step():
+            x.grad = w.grad = None
+            flce.linear_cross_entropy(x, w, t, chunk_size=chunk).backward()
+
+        _run(f"flce chunk_size={spec}", step, args.steps)
+        torch.cuda.empty_cache()
+    big = torch.empty(bt, vocab, device=dev, dtype=dt)
+    _run("floor again", floor, args.steps)
+
+
+if __name__ == "__main__":
+    main()
