@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default: $OUT, else benchmark/results/<date>-<device>/)")
     parser.add_argument("--lean-mb", type=int, default=None,
-                        help="lce: logits buffer of the flce-lean method in MiB (default 64)")
+                        help="lce: logits buffer of the flce-lean method in MiB (default 128)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     args = parser.parse_args(argv)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

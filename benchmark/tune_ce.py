@@ -42,30 +42,6 @@ def ce_sweep(rows, vocab, opts=LossOptions()):
     return out
 
 
-def slice_sweep(rows, vocab, opts=LossOptions()):
-    """The slice kernel (one read + one write per logit) by slice width and warps, and the row kernel's
-    default launch beside it."""
-    dev = torch.device("cuda")
-    buf = torch.randn(rows, vocab, device=dev, dtype=torch.bfloat16) * 4
-    t = torch.randint(0, vocab, (rows,), device=dev)
-    loss, lse = torch.empty(rows, device=dev), torch.empty(rows, device=dev)
-    scale = torch.ones((), device=dev)
-    configs = [("rows", LaunchConfig(slice_v=None))] + [
-        (f"slices {sv} x {w}w", LaunchConfig(slice_v=sv, slice_warps=w))
-        for sv in (512, 1024, 2048, 4096, 8192) for w in (1, 2, 4, 8) if 4 <= sv // (32 * w) <= 64]
-    out = []
-    for name, cfg in configs:
-        try:
-            ms = median_ms(lambda: ce_chunk_triton(buf, t, loss, lse, None, None, None, scale, opts, cfg), reps=20)
-        except Exception as e:  # noqa: BLE001 - a config the compiler rejects
-            print("skip", name, type(e).__name__, str(e)[:100])
-            continue
-        out.append({"rows": rows, "vocab": vocab, "kernel": name, "ms": ms,
-                    "GBps_1r1w": 2 * rows * vocab * 2 / ms / 1e6})
-        print(out[-1], flush=True)
-    return out
-
-
 def gemm_sweep(bt=8192, hidden=4096, vocab=128256):
     dev = torch.device("cuda")
     x = torch.randn(bt, hidden, device=dev, dtype=torch.bfloat16)
@@ -96,16 +72,6 @@ def gemm_sweep(bt=8192, hidden=4096, vocab=128256):
 
 
 def main():
-    import sys
-
-    if "--slices" in sys.argv:
-        res = {"device": torch.cuda.get_device_name(), "slices": [r for shape in ((2048, 128256), (8192, 32000),
-                                                                                   (256, 128256), (523, 128256))
-                                                                  for r in slice_sweep(*shape)]}
-        os.makedirs(os.environ.get("OUT", "out"), exist_ok=True)
-        with open(os.path.join(os.environ.get("OUT", "out"), "tune_slices.json"), "w") as f:
-            json.dump(res, f, indent=1)
-        return
     res = {"device": torch.cuda.get_device_name(), "ce": {}, "gemm": gemm_sweep()}
     for rows, vocab in ((2048, 128256), (8192, 32000), (256, 128256)):
         res["ce"][f"{rows}x{vocab}"] = ce_sweep(rows, vocab)

@@ -39,7 +39,7 @@ def test_cli_cpu_default(tmp_path):
     assert meta["device_type"] == "cpu" and meta["torch"] == torch.__version__ and meta["date"]
     assert any("CPU default" in n for n in meta["notes"])  # says it is not the GPU run
 
-    expected = {"flce", "flce-lean", "eager", "compile", "floor"}
+    expected = {"flce", "flce-lean", "flce-unchecked", "eager", "compile", "floor"}
     if hasattr(torch.nn.functional, "linear_cross_entropy"):
         expected.add("torch-native")
     assert {r["method"] for r in rows} == expected

@@ -78,6 +78,10 @@ def test_one_chunk_when_logits_fit_in_the_accumulator_it_saves():
     assert plan_chunks(8192, **llama3).num_chunks > 1
     assert plan_chunks(8192, **llama3, weight_grad_hidden=4096, accum_dtype=torch.bfloat16).num_chunks > 1
     assert plan_chunks(8192, 128256, torch.bfloat16, torch.float32, weight_grad_hidden=4096).num_chunks > 1
+    # Several chunks: the buffer may grow to the size of the bf16 weight gradient (4096 rows here).
+    plan = plan_chunks(32768, **llama3, weight_grad_hidden=4096)
+    assert plan.accum_dtype == torch.float32 and plan.rows * 128256 * 2 == 128256 * 4096 * 2
+    assert plan_chunks(32768, **llama3, weight_grad_hidden=64).rows * 128256 * 2 <= DEFAULT_MEMORY_BUDGET
     # A user's chunk size still wins.
     assert plan_chunks(8192, **llama3, weight_grad_hidden=4096, chunk_size=2048).num_chunks == 4
 

@@ -133,7 +133,7 @@ def finish_pending(p: PendingGrads, g: torch.Tensor, needs, dtypes, backend) -> 
     if dl.numel() * dl.element_size() <= FOLD_INTO_DLOGITS_BYTES:
         dl, g_left = dl.mul_(g), None
     elif needs[1]:
-        x = p.x * g  # a 0-d g keeps x's dtype
+        x = scale_into(p.x, g, p.x.dtype, backend, out=torch.empty_like(p.x))
     grads = ChunkGrads(None, None, None)
     if needs[0]:
         grads.input = torch.empty(p.x.shape, dtype=x_dtype, device=p.x.device)

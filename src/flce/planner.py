@@ -58,11 +58,14 @@ def plan_chunks(
         accum_dtype: accumulator chosen by the user (None: precise by default, see below).
         weight_grad_hidden: H when the weight gradient is wanted (0 otherwise).
 
-    One chunk whenever every row's logits fit in the memory that chunking would spend anyway: the
-    budget plus the float32 (V, H) accumulator that several chunks need and one does not. One chunk
-    runs the three GEMMs unchunked (each at full size, grad_weight written once in its own dtype, no
-    accumulator read and written per chunk, no final cast): at 8192 x 4096 x 128256 the dlogits take
-    the 2.1 GB the accumulator would.
+    With the weight gradient wanted and the default accumulator, memory is spent where chunking would
+    spend it anyway. One chunk whenever every row's logits fit in the budget plus the float32 (V, H)
+    accumulator that several chunks need and one does not: the three GEMMs then run unchunked (grad_weight
+    written once in its own dtype, no accumulator read and written per chunk, no final cast); at
+    8192 x 4096 x 128256 the dlogits take the 2.1 GB the accumulator would. Otherwise the chunk buffer
+    may be as large as the weight gradient itself: forward frees it before backward casts the
+    accumulator into that gradient, so the peak stays backward's (at 128256 x 4096: 4096 rows, and
+    every chunk's accumulator pass is shared by twice as many rows).
 
     Default accumulator: with one chunk the weight gradient is a single GEMM, so it is written straight
     in ``grad_dtype``; with several chunks partial sums are kept in float32 (or wider, if the gradient
@@ -74,6 +77,8 @@ def plan_chunks(
         if n_rows * row_bytes <= memory_budget + saved:
             rows = max(n_rows, 1)
         else:
+            if saved:  # the buffer is freed before backward casts the accumulator into a new gradient
+                memory_budget = max(memory_budget, vocab * weight_grad_hidden * grad_dtype.itemsize)
             rows = _balanced(n_rows, max(memory_budget // row_bytes, MIN_ROWS))
     else:
         rows = max(min(chunk_size, n_rows), 1)

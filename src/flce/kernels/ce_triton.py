@@ -207,10 +207,6 @@ class LaunchConfig:
     programs_per_sm: int = 8
     block_v: int = 8192
     num_warps: int = 16
-    # The slice kernel (``ce_slices_triton``): columns per program, a power of two, and its warps;
-    # slice_v=None keeps the row kernel.
-    slice_v: int | None = 4096
-    slice_warps: int = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,19 +228,11 @@ def ce_chunk_triton(
     opts: LossOptions,
     config: LaunchConfig = LaunchConfig(),
 ) -> None:
-    """Launch the CE kernel on one chunk (the slice kernel unless ``config.slice_v`` is None). See
-    ``kernels.ce_chunk`` for the contract."""
-    from .ce_slices_triton import MAX_VOCAB, ce_chunk_slices  # it imports this module's helpers
-
+    """Launch the kernel on one chunk. See ``kernels.ce_chunk`` for the contract."""
     n, vocab = logits.shape
     if n == 0:
         return
     assert logits.stride(1) == 1, "logits rows must be contiguous"
-    if config.slice_v is not None and vocab < MAX_VOCAB:
-        slice_v = min(config.slice_v, triton.next_power_of_2(vocab))
-        ce_chunk_slices(logits, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts, slice_v,
-                        config.slice_warps, two_launches=logits.device.type != "cuda")
-        return
     dummy = loss  # placeholder pointer for disabled features (never read)
     block_v = min(triton.next_power_of_2(vocab), config.block_v)
     programs = min(n, config.programs_per_sm * _sm_count(logits.device.index))

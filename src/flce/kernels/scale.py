@@ -1,7 +1,8 @@
 """out = src * scale (a 0-d device tensor), cast to out's dtype: the only work backward does.
 
 torch's mixed-dtype multiply (bf16 tensor by a float32 0-d tensor) takes a generic, unvectorized
-path at about a quarter of copy bandwidth; this kernel streams at copy speed.
+path at about a quarter of copy bandwidth; this kernel streams at copy speed, and in place it reads
+nothing when the scale is 1 (the usual grad_output), which spares a pass over a (V, H) gradient.
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 import torch
 
 
-def scale_into(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, backend: str) -> torch.Tensor:
-    """src * scale in ``dtype``, in place when src already has that dtype. src: contiguous, any shape."""
-    out = src if src.dtype == dtype else torch.empty(src.shape, dtype=dtype, device=src.device)
-    if backend != "triton" or src.numel() == 0:
+def scale_into(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, backend: str,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """src * scale in ``dtype``: into ``out`` if given, else in place when src already has that dtype.
+    src: contiguous, any shape; out: contiguous, src's shape."""
+    if out is None:
+        out = src if src.dtype == dtype else torch.empty(src.shape, dtype=dtype, device=src.device)
+    if backend != "triton" or src.numel() == 0 or not (src.is_contiguous() and out.is_contiguous()):
         return torch.mul(src, scale, out=out)
     from .scale_triton import scale_into_triton
 
