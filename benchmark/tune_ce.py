@@ -2,10 +2,12 @@
 cost by chunk height and accumulator dtype. Prints tables; writes tune.json under $OUT.
 
 Usage: PYTHONPATH=src python benchmark/tune_ce.py
+       PYTHONPATH=src python benchmark/tune_ce.py --ce-shapes 1024x128256 --block-v 8192,16384 (CE only)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -17,7 +19,7 @@ from flce.kernels.ce_triton import LaunchConfig, ce_chunk_triton
 from flce.options import LossOptions
 
 
-def ce_sweep(rows, vocab, opts=LossOptions()):
+def ce_sweep(rows, vocab, opts=LossOptions(), grid=((1, 2, 4, 8), (1024, 2048, 4096, 8192), (4, 8, 16))):
     dev = torch.device("cuda")
     src = torch.randn(rows, vocab, device=dev, dtype=torch.bfloat16) * 4
     buf = src.clone()
@@ -25,9 +27,9 @@ def ce_sweep(rows, vocab, opts=LossOptions()):
     loss, lse = torch.empty(rows, device=dev), torch.empty(rows, device=dev)
     scale = torch.ones((), device=dev)
     out = []
-    for pps in (1, 2, 4, 8):
-        for block_v in (1024, 2048, 4096, 8192):
-            for warps in (4, 8, 16):
+    for pps in grid[0]:
+        for block_v in grid[1]:
+            for warps in grid[2]:
                 cfg = LaunchConfig(pps, block_v, warps)
                 try:
                     ms = median_ms(lambda: ce_chunk_triton(buf, t, loss, lse, None, None, None, scale, opts, cfg),
@@ -72,6 +74,24 @@ def gemm_sweep(bt=8192, hidden=4096, vocab=128256):
 
 
 def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--ce-shapes", default="", help="only the CE launch sweep, on these ROWSxV shapes")
+    p.add_argument("--pps", default="1,2,4,8")
+    p.add_argument("--block-v", default="1024,2048,4096,8192")
+    p.add_argument("--warps", default="4,8,16")
+    args = p.parse_args()
+    if args.ce_shapes:
+        grid = tuple(tuple(map(int, g.split(","))) for g in (args.pps, args.block_v, args.warps))
+        res = {"device": torch.cuda.get_device_name(), "ce": {}}
+        for spec in args.ce_shapes.split(","):
+            rows, vocab = map(int, spec.split("x"))
+            res["ce"][spec] = ce_sweep(rows, vocab, grid=grid)
+            print(spec, *[f"{r['programs_per_sm']}/{r['block_v']}/{r['num_warps']}w: {r['ms']:.3f}"
+                          for r in res["ce"][spec][:6]], sep="\n  ", flush=True)
+        os.makedirs(os.environ.get("OUT", "out"), exist_ok=True)
+        with open(os.path.join(os.environ.get("OUT", "out"), "tune_ce_shapes.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return
     res = {"device": torch.cuda.get_device_name(), "ce": {}, "gemm": gemm_sweep()}
     for rows, vocab in ((2048, 128256), (8192, 32000), (256, 128256)):
         res["ce"][f"{rows}x{vocab}"] = ce_sweep(rows, vocab)

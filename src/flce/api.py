@@ -267,7 +267,7 @@ def _check_and_compact(t: torch.Tensor, vocab: int, ignore_index: int,
         _raise_bad_targets(t, vocab, ignore_index, n_bad)
     if n_valid == t.numel():
         return None
-    return (t != ignore_index).nonzero().squeeze(1)
+    return (t != ignore_index).nonzero_static(size=n_valid).squeeze(1)  # sized: no second sync
 
 
 def _reduction_scale(t, class_w, opts: LossOptions, num_items, count_scale: torch.Tensor) -> torch.Tensor:

@@ -238,7 +238,7 @@ def _check_and_compact(t: torch.Tensor, valid: torch.Tensor, counts: torch.Tenso
         _raise_bad_targets(t, vocab, ignore_index, n_bad)
     if n_keep == keep.numel():
         return None
-    return keep.nonzero().squeeze(1)
+    return keep.nonzero_static(size=n_keep).squeeze(1)  # sized: no second sync
 
 
 def _scatter_positions(values: torch.Tensor, kept: torch.Tensor | None, batch_dim: int, shape) -> torch.Tensor:

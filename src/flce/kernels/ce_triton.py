@@ -201,12 +201,13 @@ def _ce_kernel(
 @dataclass(frozen=True)
 class LaunchConfig:
     """programs_per_sm: grid size per SM (rows are dealt out round-robin); block_v: vocabulary columns
-    per step. Defaults from benchmark/tune_ce.py on an H200 (2048 x 128256 bf16: 0.55 ms against 0.87
-    for 2 / 4096 / 8 warps; see benchmark/NOTES.md)."""
+    per step. Defaults from benchmark/tune_ce.py on an H200 (``--ce-shapes``, session 3: 0.912 ms for
+    4096 x 128256 bf16 against 1.095 for 8 / 8192 / 16 warps, and best or within 5% of the best at
+    1024 x 128256 and 8192 x 32000; see benchmark/NOTES.md)."""
 
-    programs_per_sm: int = 8
+    programs_per_sm: int = 16
     block_v: int = 8192
-    num_warps: int = 16
+    num_warps: int = 8
 
 
 @functools.lru_cache(maxsize=None)
