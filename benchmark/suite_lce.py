@@ -87,10 +87,13 @@ def _flce_unchecked(x, w, t):
 
 
 def _flce_lean(x, w, t):
-    """Accumulator in the weight's dtype (bf16 in bf16 runs) and a ~LEAN_BUFFER_MB logits buffer."""
+    """Accumulator in the weight's dtype (bf16 in bf16 runs) and a logits buffer of at most
+    LEAN_BUFFER_MB, its rows a multiple of 128 where possible (full GEMM tiles: 523 rows left the
+    last 128-row tile of every chunk's logits and grad_input GEMMs almost empty)."""
     import flce
 
     rows = max(LEAN_BUFFER_MB * MB // (w.shape[0] * w.element_size()), 1)
+    rows = rows // 128 * 128 or rows
     return flce.linear_cross_entropy(x, w, t, accum_dtype=w.dtype, chunk_size=rows)
 
 

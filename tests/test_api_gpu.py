@@ -135,3 +135,35 @@ def test_small_batch_bad_target_raises_by_backward_without_a_forward_wait():
         loss = flce.linear_cross_entropy(x, w, t)
         loss.backward()
     assert x.grad is None and w.grad is None
+
+
+def test_large_batch_counts_ignored_rows_only_where_it_pays(monkeypatch):
+    """A device's first call counts (one sync); with nothing ignored the next calls skip the sync and
+    check in the background; once a background count sees many ignored rows, the sync comes back and
+    drops them. A bad target is raised either way."""
+    import flce.api as api
+
+    calls = []
+    monkeypatch.setattr(api, "_ignored_share", {})
+    real = api._check_and_compact
+    monkeypatch.setattr(api, "_check_and_compact", lambda *a: calls.append(1) or real(*a))
+    x, w, t = llm_case(2048, 2048, 32000)  # half the rows dropped: 4e11 FLOPs > SYNC_WORTH_FLOP
+    dev = t.device
+    flce.linear_cross_entropy(x, w, t).backward()
+    assert calls == [1] and api._ignored_share[dev] == 0.0
+    flce.linear_cross_entropy(x, w, t).backward()
+    assert calls == [1]
+    half = t.clone()
+    half[::2] = -100
+    got = flce.linear_cross_entropy(x, w, half)  # not dropped yet; the background count sees 1/2
+    got.backward()
+    assert calls == [1] and api._ignored_share[dev] == 0.5
+    x.grad = w.grad = None
+    again = flce.linear_cross_entropy(x, w, half)
+    again.backward()
+    assert calls == [1, 1] and torch.allclose(got, again, rtol=1e-5)
+    bad = t.clone()
+    bad[7] = 32000
+    monkeypatch.setattr(api, "_ignored_share", {dev: 0.0})
+    with pytest.raises(ValueError, match=r"outside \[0, 32000\).*first: 32000"):
+        flce.linear_cross_entropy(x, w, bad).backward()
