@@ -35,11 +35,14 @@ def main(bt: int) -> None:
                 fn()
             torch.cuda.synchronize()
             start = time.perf_counter()
+            calls = 0.0
             for _ in range(50):
+                t0 = time.perf_counter()
                 fn()
+                calls += time.perf_counter() - t0
             torch.cuda.synchronize()
-            print(f"BT={bt} round {rnd} {name}: wall/step {(time.perf_counter() - start) / 50 * 1e3:.3f} ms",
-                  flush=True)
+            print(f"BT={bt} round {rnd} {name}: wall/step {(time.perf_counter() - start) / 50 * 1e3:.3f} ms, "
+                  f"host/step {calls / 50 * 1e3:.3f} ms", flush=True)
     for name in ("flce", "eager"):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(10):

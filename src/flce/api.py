@@ -267,8 +267,8 @@ class _TargetCheck:
     def raise_if_bad(self) -> None:
         if self.event is not None:
             self.event.synchronize()
-        _record_share(self.t, int(self.host[0]))
-        n_bad = int(self.host[1])
+        n_valid, n_bad = self.host.tolist()
+        _record_share(self.t, n_valid)
         if n_bad:
             _raise_bad_targets(self.t, self.vocab, self.ignore_index, n_bad)
 
