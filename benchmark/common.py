@@ -101,16 +101,7 @@ def measure(fn: Callable[[], Any], args, flops: float) -> dict[str, Any]:
 
     Returns ``median_ms, tflops, peak_mb, status`` ("ok", "OOM" or "error: ...").
     """
-    out = {"median_ms": NAN, "tflops": NAN, "peak_mb": NAN, "status": "ok"}
-    try:
-        fn()  # compiles and autotunes outside the measurements
-        out["peak_mb"] = peak_extra_mb(fn, args.device)
-        out["median_ms"] = median_ms(fn, args.warmup, args.reps, args.device)
-        out["tflops"] = tflops(flops, out["median_ms"])
-    except Exception as exc:  # noqa: BLE001 - one failing method must not end the run
-        out["status"] = _failure(exc)
-    free_memory(args.device)
-    return out
+    return measure_interleaved({"fn": fn}, args, flops, rounds=1)["fn"]
 
 
 def measure_interleaved(fns: dict[str, Callable[[], Any]], args, flops: float,

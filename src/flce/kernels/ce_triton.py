@@ -82,70 +82,19 @@ def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coe
         mask = cols < V
         raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         z = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
-        g = _logit_grad(z, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef, smoothing_per_class,
-                        scale, keep, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+        p = tl.exp(z - lse)
+        g = target_coef * (p - tl.where(cols == y, 1.0, 0.0)) + extra_coef * p
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                g -= smoothing_per_class * w
+            else:
+                g -= smoothing_per_class
+        if HAS_SOFTCAP:
+            t = z / softcap
+            g = g * (1.0 - t * t)
+        g = tl.where(keep, g * scale, 0.0)
         tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _logit_grad(z, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef, smoothing_per_class, scale,
-                keep, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """d loss / d raw logit of a block of logits z (after temperature and softcap), times ``scale``."""
-    p = tl.exp(z - lse)
-    g = target_coef * (p - tl.where(cols == y, 1.0, 0.0)) + extra_coef * p
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            g -= smoothing_per_class * w
-        else:
-            g -= smoothing_per_class
-    if HAS_SOFTCAP:
-        t = z / softcap
-        g = g * (1.0 - t * t)
-    return tl.where(keep, g * scale, 0.0)
-
-
-@triton.jit
-def _row_loss(lse, z_y, sum_z, y, class_weight_ptr, weight_sum_ptr, V, smoothing, z_loss, HAS_WEIGHT: tl.constexpr,
-              HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
-    """A valid row's loss from its logsumexp, target logit and (weighted) sum of logits, and the two
-    gradient coefficients: target_coef multiplies p - onehot(y), extra_coef multiplies p."""
-    if HAS_WEIGHT:
-        w_y = tl.load(class_weight_ptr + y).to(tl.float32)
-        w_sum = tl.load(weight_sum_ptr).to(tl.float32)
-    else:
-        w_y = 1.0
-        w_sum = V * 1.0
-    target_coef = (1.0 - smoothing) * w_y
-    loss = target_coef * (lse - z_y)
-    extra_coef = 0.0
-    if HAS_SMOOTHING:
-        loss += smoothing / V * (w_sum * lse - sum_z)
-        extra_coef += smoothing / V * w_sum
-    if HAS_Z_LOSS:
-        loss += z_loss * lse * lse
-        extra_coef += 2.0 * z_loss * lse
-    return loss, target_coef, extra_coef
-
-
-@triton.jit
-def _row_scale(scale_ptr, row, inv_temp, poison, SCALE_PER_ROW: tl.constexpr):
-    """The gradient's factor for a row: the reduction's scale (per row or 0-d), 1/T, NaN if poisoned."""
-    if SCALE_PER_ROW:
-        scale = tl.load(scale_ptr + row).to(tl.float32)
-    else:
-        scale = tl.load(scale_ptr).to(tl.float32)
-    return scale * inv_temp + poison
-
-
-@triton.jit
-def _checked_target(target_ptr, row, V, ignore_index):
-    """(y clamped to a safe index, valid, poison): an unchecked target outside [0, V) poisons its row
-    (NaN loss and gradient), never a plausible number."""
-    y = tl.load(target_ptr + row)
-    valid = y != ignore_index
-    poison = tl.where(valid & ((y < 0) | (y >= V)), float("nan"), 0.0)
-    return tl.minimum(tl.maximum(y, 0), V - 1), valid, poison
 
 
 @triton.jit
@@ -179,22 +128,46 @@ def _ce_kernel(
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
         row_ptr = logits_ptr + row * stride_row
-        y, valid, poison = _checked_target(target_ptr, row, V, ignore_index)
+        y = tl.load(target_ptr + row)
+        valid = y != ignore_index
+        # An unchecked target outside [0, V) poisons its row (NaN loss and gradient), never a number.
+        poison = tl.where(valid & ((y < 0) | (y >= V)), float("nan"), 0.0)
+        y = tl.minimum(tl.maximum(y, 0), V - 1)  # safe index for ignored (or unchecked) targets
 
         m, s, sum_z, best_idx = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT,
                                            HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V)
         lse = m + tl.log(s)
+
         z_y = _logits(tl.load(row_ptr + y).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)
-        loss, target_coef, extra_coef = _row_loss(lse, z_y, sum_z, y, class_weight_ptr, weight_sum_ptr, V, smoothing,
-                                                  z_loss, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS)
+        if HAS_WEIGHT:
+            w_y = tl.load(class_weight_ptr + y).to(tl.float32)
+            w_sum = tl.load(weight_sum_ptr).to(tl.float32)
+        else:
+            w_y = 1.0
+            w_sum = V * 1.0
+        loss = (1.0 - smoothing) * w_y * (lse - z_y)
+        if HAS_SMOOTHING:
+            loss += smoothing / V * (w_sum * lse - sum_z)
+        if HAS_Z_LOSS:
+            loss += z_loss * lse * lse
         tl.store(loss_ptr + row, tl.where(valid, loss + poison, 0.0))
         tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
         if COMPUTE_ACC:
             tl.store(correct_ptr + row, (valid & (best_idx == y)).to(tl.float32))
 
-        if COMPUTE_GRAD:  # pass 2, times the reduction's scale; ignored rows get exact zeros
-            scale = _row_scale(scale_ptr, row, inv_temp, poison, SCALE_PER_ROW)
-            _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing / V,
+        if COMPUTE_GRAD:
+            # Pass 2, times the reduction's scale; ignored rows get exact zeros.
+            extra_coef = 0.0  # the part of dz / dp that is not the target's (1 - smoothing) * w_y
+            if HAS_SMOOTHING:
+                extra_coef += smoothing / V * w_sum
+            if HAS_Z_LOSS:
+                extra_coef += 2.0 * z_loss * lse
+            if SCALE_PER_ROW:
+                scale = tl.load(scale_ptr + row).to(tl.float32)
+            else:
+                scale = tl.load(scale_ptr).to(tl.float32)
+            scale = scale * inv_temp + poison
+            _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y, smoothing / V,
                             scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, BLOCK_V)
 
 
