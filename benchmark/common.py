@@ -51,11 +51,16 @@ def median_ms(fn: Callable[[], Any], warmup: int, reps: int, device: torch.devic
 
 
 def timed_calls(fn: Callable[[], Any], warmup: int, reps: int, device: torch.device) -> list[float]:
-    """Milliseconds of each of ``reps`` calls of ``fn()`` after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
+    """Milliseconds of each of ``reps`` calls of ``fn()`` after ``warmup`` untimed ones.
+
+    On a GPU the timed calls follow the warm-up calls with no sync between them, as steps follow each
+    other in training: the host is then ahead of the GPU by the warm-up calls' work, and a call's time
+    is what it costs in a running loop. Right after a sync, a launch-bound call (a small batch) would
+    also be timed waiting for its own launches, which a training step's earlier layers hide.
+    """
     if device.type != "cuda":
+        for _ in range(warmup):
+            fn()
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -63,6 +68,9 @@ def timed_calls(fn: Callable[[], Any], warmup: int, reps: int, device: torch.dev
             times.append((time.perf_counter() - t0) * 1e3)
         return times
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    sync(device)
+    for _ in range(warmup):
+        fn()
     for start, end in events:
         start.record()
         fn()
@@ -129,7 +137,7 @@ def measure_interleaved(fns: dict[str, Callable[[], Any]], args, flops: float,
         reps = args.reps // rounds + (r < args.reps % rounds)
         for name in [n for n in live if out[n]["status"] == "ok"]:
             try:
-                times[name] += timed_calls(fns[name], args.warmup if r == 0 else 1, reps, args.device)
+                times[name] += timed_calls(fns[name], args.warmup, reps, args.device)
             except Exception as exc:  # noqa: BLE001
                 out[name]["status"] = _failure(exc)
             free_memory(args.device)

@@ -32,7 +32,7 @@ def ce_sweep(rows, vocab, opts=LossOptions(), grid=((1, 2, 4, 8), (1024, 2048, 4
             for warps in grid[2]:
                 cfg = LaunchConfig(pps, block_v, warps)
                 try:
-                    ms = median_ms(lambda: ce_chunk_triton(buf, t, loss, lse, None, None, None, scale, opts, cfg),
+                    ms = median_ms(lambda: ce_chunk_triton(buf, t, loss, lse, None, None, None, scale, opts, config=cfg),
                                    reps=20)
                 except Exception as e:  # a config the compiler rejects (e.g. registers)
                     print("skip", cfg, type(e).__name__)

@@ -72,9 +72,12 @@ def test_count_targets_backends_agree_with_a_python_count(backend, device, n):
 
 
 @pytest.mark.parametrize("g", [1.0, 0.37])
-def test_scale_into_in_place_out_of_place_and_cast(backend, device, g):
+@pytest.mark.parametrize("torch_below", [0, 1 << 20])  # 0: the Triton kernel even for this small tensor
+def test_scale_into_in_place_out_of_place_and_cast(backend, device, g, torch_below, monkeypatch):
+    import flce.kernels.scale
     from flce.kernels.scale import scale_into
 
+    monkeypatch.setattr(flce.kernels.scale, "TORCH_BELOW", torch_below)
     scale = torch.tensor(g, device=device)
     src = torch.randn(3, 5001, device=device)  # more than one block of the Triton kernel
     want = src.double() * g
@@ -91,3 +94,47 @@ def test_scale_into_in_place_out_of_place_and_cast(backend, device, g):
     strided = src.t()  # not contiguous: the torch path
     assert torch.allclose(scale_into(strided, scale, torch.float32, backend, out=torch.empty_like(strided)).double(),
                           want.t(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("n", [1, 9, 150])  # 150: more rows than programs, so programs take several
+@pytest.mark.parametrize("opts", [LossOptions(), LossOptions(label_smoothing=0.1, z_loss=1e-2, softcap=3.0)])
+def test_kernel_finishes_the_mean(backend, device, n, opts):
+    """With counts, the kernel counts the targets, writes the mean's scale and the mean, and leaves the
+    gradient unscaled: the same numbers as the plain kernel with the scale given, divided back out."""
+    vocab = 300
+    logits = torch.randn(n, vocab, device=device) * 3
+    target = torch.randint(0, vocab, (n,), device=device)
+    target[torch.rand(n, device=device) < 0.3] = opts.ignore_index
+    valid = int((target != opts.ignore_index).sum())
+    counts = torch.zeros(3, dtype=torch.int64, device=device)
+    scale, total = torch.full((), float("nan"), device=device), torch.full((), float("nan"), device=device)
+    buf, loss, lse = logits.clone(), torch.empty(n, device=device), torch.empty(n, device=device)
+    ce_chunk(backend, buf, target, loss, lse, None, None, None, scale, opts, counts, total)
+
+    assert counts[:2].tolist() == [valid, 0]
+    assert scale.item() == pytest.approx(1.0 / max(valid, 1), rel=1e-6)
+    want_grad, want_loss, _, _ = run("torch", logits, target, opts, grad_scale=torch.ones((), device=device))
+    assert torch.allclose(buf, want_grad, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert total.item() == pytest.approx(want_loss.double().sum().item() / max(valid, 1), rel=1e-5, abs=1e-7)
+
+
+def test_kernel_finishes_the_mean_of_all_ignored_and_bad_targets(backend, device):
+    opts = LossOptions()
+    logits = torch.randn(70, 50, device=device)
+
+    def finish(target):
+        counts = torch.zeros(3, dtype=torch.int64, device=device)
+        scale, total = torch.empty((), device=device), torch.empty((), device=device)
+        buf = logits.clone()
+        ce_chunk(backend, buf, target, torch.empty(70, device=device), torch.empty(70, device=device), None, None,
+                 None, scale, opts, counts, total)
+        return counts[:2].tolist(), scale.item(), total.item(), buf
+
+    counts, scale, total, grad = finish(torch.full((70,), -100, device=device))
+    assert (counts, scale, total) == ([0, 0], 1.0, 0.0) and torch.all(grad == 0)
+    target = torch.randint(0, 50, (70,), device=device)
+    target[[3, 40]] = torch.tensor([50, -7], device=device)
+    counts, _, total, grad = finish(target)
+    assert counts == [70, 2] and total != total  # a bad target never gives a plausible mean
+    assert torch.isnan(grad[3]).all() and torch.isfinite(grad[4]).all()

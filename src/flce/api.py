@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .function import LinearCrossEntropyFunction, chunk_loop
+from .function import LinearCrossEntropyFunction, LoopSpec, chunk_loop
 from .kernels import resolve_backend
 from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
-from .planner import plan_chunks, weight_grad_hidden
+from .planner import ChunkPlan, plan_chunks, weight_grad_hidden
 
 
 # Host time matters at small batches, where a step is launch-bound: the checks below stay cheap.
@@ -112,38 +112,55 @@ def linear_cross_entropy(
     compute_dtype = _compute_dtype(input, linear_weight, linear_bias)
 
     hidden, vocab = input.shape[-1], linear_weight.shape[0]
-    x = input.reshape(-1, hidden)
-    t = t_all = target.reshape(-1).long().contiguous()
-    # Everything that does not depend on dropping ignored rows is queued before the check's host
-    # sync, so that less host work separates the sync from the first GEMM.
-    class_w = weight.float().contiguous() if weight is not None else None
-    weight_sum = class_w.sum() if class_w is not None else None
-    counts, count_scale = count_targets(t, ignore_index, vocab, backend)
-    scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch,
-                                                              count_scale)
-    rows = None  # indices of the valid rows, when ignored rows are dropped
-    pending = None
+    x = input if input.dim() == 2 else input.reshape(-1, hidden)
+    t = t_all = _flat_targets(target)
+    n = t.numel()
     grad = torch.is_grad_enabled() and any(a is not None and a.requires_grad
                                            for a in (x, linear_weight, linear_bias))
-    if validate_target and t.numel() >= COMPACT_MIN_ROWS and (
-            not (grad and t.is_cuda) or _sync_pays(_ignored_share.get(t.device), t.numel(), vocab, hidden)):
+    sync = validate_target and n >= COMPACT_MIN_ROWS and (
+        not (grad and t.is_cuda) or _sync_pays(_ignored_share.get(t.device), n, vocab, hidden))
+
+    def plan_for(rows: int) -> ChunkPlan:
+        return plan_chunks(rows, vocab, compute_dtype, linear_weight.dtype, chunk_size=chunk_size,
+                           accum_dtype=accum_dtype, weight_grad_hidden=weight_grad_hidden(linear_weight))
+
+    plan = None if sync else plan_for(n)  # with the sync, the rows it keeps decide the plan
+    class_w = weight.float().contiguous() if weight is not None else None
+    weight_sum = class_w.sum() if class_w is not None else None
+    kernel_counts = None  # set when the CE kernel counts the targets and finishes the mean itself
+    if grad and plan is not None and n and plan.num_chunks == 1 and reduction == "mean" and class_w is None \
+            and num_items_in_batch is None:
+        kernel_counts = counts = torch.zeros(3, dtype=torch.int64, device=t.device)
+        scale = torch.empty((), dtype=torch.float32, device=t.device)  # written by the CE kernel
+    else:
+        # Everything that does not depend on dropping ignored rows is queued before the check's host
+        # sync, so that less host work separates the sync from the first GEMM.
+        counts, count_scale = count_targets(t, ignore_index, vocab, backend)
+        scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch,
+                                                                  count_scale)
+    rows = None  # indices of the valid rows, when ignored rows are dropped
+    pending = None
+    if sync:
         rows = _check_and_compact(t, vocab, ignore_index, counts)
         if rows is not None:
             x, t = x.index_select(0, rows), t.index_select(0, rows)
-    elif validate_target and t.numel():
+        plan = plan_for(x.shape[0])
+    elif validate_target and n:
         pending = _TargetCheck(t, counts, vocab, ignore_index)
-    plan = plan_chunks(x.shape[0], vocab, compute_dtype, linear_weight.dtype, chunk_size=chunk_size,
-                       accum_dtype=accum_dtype, weight_grad_hidden=weight_grad_hidden(linear_weight))
-    args = (x, linear_weight, linear_bias, t, class_w, weight_sum)
+        if kernel_counts is None:
+            pending.start()
+    spec = LoopSpec(opts, plan, compute_dtype, backend, return_stats, kernel_counts)
     if grad:
         loss, lse, correct = LinearCrossEntropyFunction.apply(
-            chunk_loop, *args, scale, opts, plan, compute_dtype, backend, return_stats, pending
-        )
-        if pending is not None and not pending.done():
-            pending = None  # backward raises; meanwhile a bad row's loss is NaN (see _TargetCheck)
+            chunk_loop, spec, x, linear_weight, linear_bias, t, class_w, weight_sum, scale, pending)
+        if pending is not None:
+            if kernel_counts is not None:
+                pending.start()  # the forward's CE kernel has queued the counts
+            if not pending.done():
+                pending = None  # backward raises; meanwhile a bad row's loss is NaN (see _TargetCheck)
     else:  # nothing to differentiate: the loop computes the loss alone
-        parts, _ = chunk_loop(*args, None, (False, False, False), opts, plan, compute_dtype, backend,
-                              want_correct=return_stats)
+        parts, _ = chunk_loop(x, linear_weight, linear_bias, t, class_w, weight_sum, None, (False, False, False),
+                              spec)
         loss = parts.loss if scale is None else parts.loss.sum() * scale
         lse, correct = parts.lse, parts.correct
 
@@ -209,6 +226,13 @@ def _check_tensors(input, linear_weight, target, bias, class_weight) -> None:
                          ", ".join(f"{n} on {d}" for n, d in devices.items()))
 
 
+def _flat_targets(target: torch.Tensor) -> torch.Tensor:
+    """target as a contiguous (n,) int64 tensor (itself when it already is one: no dispatcher calls)."""
+    if target.dim() == 1 and target.dtype == torch.int64 and target.is_contiguous():
+        return target
+    return target.reshape(-1).long().contiguous()
+
+
 def _compute_dtype(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
     """The GEMMs' dtype: autocast's when it is on, else the (shared) dtype of input and weight."""
     device_type = input.device.type
@@ -254,10 +278,14 @@ class _TargetCheck:
     """
 
     def __init__(self, t: torch.Tensor, counts: torch.Tensor, vocab: int, ignore_index: int) -> None:
-        self.t, self.vocab, self.ignore_index = t, vocab, ignore_index
-        self.host = torch.empty(2, dtype=counts.dtype, pin_memory=t.is_cuda)
-        self.host.copy_(counts, non_blocking=True)
-        self.event = torch.cuda.Event() if t.is_cuda else None
+        """counts: [valid, out of range, ...] int64 on t's device, once the kernels queued so far ran."""
+        self.t, self.counts, self.vocab, self.ignore_index = t, counts, vocab, ignore_index
+
+    def start(self) -> None:
+        """Queue the copy of the counts (call once the kernel that writes them is queued)."""
+        self.host = torch.empty(self.counts.shape, dtype=self.counts.dtype, pin_memory=self.t.is_cuda)
+        self.host.copy_(self.counts, non_blocking=True)
+        self.event = torch.cuda.Event() if self.t.is_cuda else None
         if self.event is not None:
             self.event.record()
 
@@ -267,7 +295,7 @@ class _TargetCheck:
     def raise_if_bad(self) -> None:
         if self.event is not None:
             self.event.synchronize()
-        n_valid, n_bad = self.host.tolist()
+        n_valid, n_bad = self.host.tolist()[:2]
         _record_share(self.t, n_valid)
         if n_bad:
             _raise_bad_targets(self.t, self.vocab, self.ignore_index, n_bad)

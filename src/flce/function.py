@@ -12,6 +12,7 @@ reduction="none" the per-row grad_output is only known in backward, so there the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +39,7 @@ class LossParts:
     loss: torch.Tensor
     lse: torch.Tensor
     correct: torch.Tensor | None
+    total: torch.Tensor | None = None  # the reduced loss, when the CE kernel finished the mean itself
 
 
 @dataclass
@@ -47,12 +49,27 @@ class PendingGrads:
     dlogits: torch.Tensor
     x: torch.Tensor  # (n, H) in the compute dtype
     w: torch.Tensor  # (V, H) in the compute dtype
+    scale: torch.Tensor | None = None  # the mean's 0-d scale, not yet in dlogits (see LoopSpec.counts)
+
+
+class LoopSpec(NamedTuple):
+    """A chunk loop's settings: the loss, the chunk plan, the GEMMs' dtype, the CE backend, whether to
+    compute per-row accuracy (``correct``), and ``counts``: None, or (3,) int64 zeros for a mean over a
+    single deferred chunk, which the CE kernel then finishes itself (``kernels.ce_chunk``): it counts
+    the targets into them and writes grad_scale (an output then) and the mean."""
+
+    opts: LossOptions
+    plan: ChunkPlan
+    compute_dtype: torch.dtype
+    backend: str
+    want_correct: bool = False
+    counts: torch.Tensor | None = None
 
 
 def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool) -> None:
     """grad_input[rows] = dl @ w; grad_weight (+)= dl^T @ x_c; grad_bias += dl summed over rows."""
     if grads.input is not None:
-        mm_into(grads.input[rows], dl, w, accumulate=False)
+        mm_into(_take(grads.input, rows), dl, w, accumulate=False)
     if grads.weight is not None:
         mm_into(grads.weight, dl.t(), x_c, accumulate=accumulate)
     if grads.bias is not None:
@@ -68,11 +85,7 @@ def chunk_loop(
     weight_sum: torch.Tensor | None,
     grad_scale: torch.Tensor | None,
     needs: tuple[bool, bool, bool],
-    opts: LossOptions,
-    plan: ChunkPlan,
-    compute_dtype: torch.dtype,
-    backend: str,
-    want_correct: bool = False,
+    spec: LoopSpec,
     defer: bool = False,
 ) -> tuple[LossParts, ChunkGrads | PendingGrads]:
     """Run every chunk; gradients for ``needs`` = (input, weight, bias) when ``grad_scale`` is given.
@@ -80,10 +93,11 @@ def chunk_loop(
     x: (n, H); weight: (V, H); bias: (V,) or None; target: (n,) int64. ``defer`` (single chunk only)
     returns the chunk's dlogits instead of running the gradient GEMMs.
     """
+    opts, plan, compute_dtype, backend, want_correct, counts = spec
     n, hidden = x.shape
     vocab = weight.shape[0]
     dev = x.device
-    w = weight.to(compute_dtype)  # no copy unless autocast asks for a narrower dtype
+    w = _as_dtype(weight, compute_dtype)  # no copy unless autocast asks for a narrower dtype
     grad = grad_scale is not None
     need_x, need_w, need_b = (grad and k for k in needs)
     defer = defer and grad and plan.num_chunks == 1
@@ -92,43 +106,66 @@ def chunk_loop(
         loss=torch.empty(n, dtype=torch.float32, device=dev),
         lse=torch.empty(n, dtype=torch.float32, device=dev),
         correct=torch.empty(n, dtype=torch.float32, device=dev) if want_correct else None,
+        total=torch.empty((), dtype=torch.float32, device=dev) if counts is not None else None,
     )
-    grads = ChunkGrads(
-        input=torch.empty_like(x, memory_format=torch.contiguous_format) if need_x and not defer else None,
-        weight=torch.empty(vocab, hidden, dtype=plan.accum_dtype, device=dev) if need_w and not defer else None,
-        bias=torch.zeros(vocab, dtype=torch.float32, device=dev) if need_b and not defer else None,
-    )
+    assert counts is None or (defer and n), "the CE kernel finishes the mean only of a single deferred chunk"
+    if defer:
+        grads = None
+    else:
+        grads = ChunkGrads(
+            input=torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None,
+            weight=torch.empty(vocab, hidden, dtype=plan.accum_dtype, device=dev) if need_w else None,
+            bias=torch.zeros(vocab, dtype=torch.float32, device=dev) if need_b else None,
+        )
     if n == 0:
-        if grads.weight is not None:
+        if grads is None:
+            grads = ChunkGrads(None, None, None)
+        elif grads.weight is not None:
             grads.weight.zero_()
         return parts, grads
 
     buffer = torch.empty(plan.rows, vocab, dtype=compute_dtype, device=dev)
+    row_scale = grad and grad_scale.dim() == 1
     for i, (start, end) in enumerate(plan.bounds()):
-        x_c = x[start:end].to(compute_dtype)
-        logits = buffer[: end - start]
+        # A chunk of all rows takes the tensors themselves: small batches are launch-bound, and each
+        # slice is a dispatcher call.
+        rows = slice(start, end) if end - start < n else slice(None)
+        x_c = _as_dtype(_take(x, rows), compute_dtype)
+        logits = _take(buffer, slice(None, end - start))
         torch.mm(x_c, w.t(), out=logits)
         if bias is not None:
             logits.add_(bias)
-        rows = slice(start, end)
-        scale = grad_scale[rows] if grad and grad_scale.dim() == 1 else grad_scale
-        ce_chunk(backend, logits, target[rows], parts.loss[rows], parts.lse[rows],
-                 parts.correct[rows] if want_correct else None, class_weight, weight_sum,
-                 scale if grad else None, opts)
+        ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
+                 _take(parts.correct, rows), class_weight, weight_sum,
+                 _take(grad_scale, rows) if row_scale else grad_scale, opts, counts, parts.total)
         if defer:
-            return parts, PendingGrads(dlogits=logits, x=x_c, w=w)
+            return parts, PendingGrads(dlogits=logits, x=x_c, w=w, scale=None if counts is None else grad_scale)
         gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0)
     return parts, grads
 
 
-# Below this many bytes of dlogits, grad_output scales dlogits in place: one launch instead of two
-# (small batches are launch-bound); above it, scaling the smaller x_c moves fewer bytes.
-FOLD_INTO_DLOGITS_BYTES = 32 << 20
+def _take(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    """t[rows], without a dispatcher call when rows is everything (or t is None)."""
+    if t is None or (rows.start is None and (rows.stop is None or rows.stop >= t.shape[0])):
+        return t
+    return t[rows]
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+# Up to this many bytes of dlogits, grad_output scales dlogits in place: one launch instead of two
+# (small batches are launch-bound). Above it, scaling the smaller x_c and grad_input moves fewer bytes
+# (torch's bf16-by-float32 multiply took 30 us for the 16 MB of dlogits at 64 x 128256 on an H200).
+FOLD_INTO_DLOGITS_BYTES = 4 << 20
 
 
 def finish_pending(p: PendingGrads, g: torch.Tensor, needs, dtypes, backend) -> ChunkGrads:
     """Backward of a single-chunk forward: the two GEMMs, with grad_output folded into an operand."""
     x_dtype, w_dtype, b_dtype = dtypes
+    if p.scale is not None:
+        g = g * p.scale
     dl, x, g_left = p.dlogits, p.x, g
     if dl.numel() * dl.element_size() <= FOLD_INTO_DLOGITS_BYTES:
         dl, g_left = dl.mul_(g), None
@@ -163,10 +200,12 @@ def finish_forward(ctx, parts: LossParts, grads, grad_scale: torch.Tensor | None
         loss = parts.loss
     else:
         ctx.grads = grads
-        loss = parts.loss.sum() * grad_scale
-    correct = parts.correct if parts.correct is not None else parts.loss.new_empty(0)
-    ctx.mark_non_differentiable(parts.lse, correct)
-    return loss, parts.lse, correct
+        loss = parts.total if parts.total is not None else parts.loss.sum() * grad_scale
+    if parts.correct is None:
+        ctx.mark_non_differentiable(parts.lse)
+    else:
+        ctx.mark_non_differentiable(parts.lse, parts.correct)
+    return loss, parts.lse, parts.correct
 
 
 def take_grads(ctx):
@@ -181,41 +220,38 @@ def take_grads(ctx):
 
 def scale_grads(grads: ChunkGrads, g: torch.Tensor | None, dtypes, backend: str = "torch") -> list:
     """(input, weight, bias) gradients times grad_output ``g`` (None: already scaled), in ``dtypes``."""
-    return [None if t is None else (t.to(dt) if g is None else scale_into(t, g, dt, backend))
+    return [None if t is None else (_as_dtype(t, dt) if g is None else scale_into(t, g, dt, backend))
             for t, dt in zip((grads.input, grads.weight, grads.bias), dtypes)]
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Inputs: loop (``chunk_loop``, or a loop with its contract such as the grouped one), x (n, H),
-    weight (V, H), bias, target (n,), class_weight, weight_sum, grad_scale (0-d reduction scale, or
-    None for reduction='none'), opts, plan, compute_dtype, backend, want_correct, target_check (an
-    object whose ``raise_if_bad()`` backward calls once its kernels are queued, or None).
-    Outputs: loss (0-d, or per row for 'none'), lse, correct (or empty)."""
+    """Inputs: loop (``chunk_loop``, or a loop with its contract such as the grouped one), spec (its
+    ``LoopSpec``), x (n, H), weight (V, H), bias, target (n,), class_weight, weight_sum, grad_scale (0-d
+    reduction scale, or None for reduction='none'), target_check (an object whose ``raise_if_bad()``
+    backward calls once its kernels are queued, or None).
+    Outputs: loss (0-d, or per row for 'none'), lse, correct (None unless ``spec.want_correct``)."""
 
     @staticmethod
-    def forward(ctx, loop, x, weight, bias, target, class_weight, weight_sum, grad_scale, opts, plan,
-                compute_dtype, backend, want_correct, target_check):
+    def forward(ctx, loop, spec, x, weight, bias, target, class_weight, weight_sum, grad_scale, target_check):
         ctx.set_materialize_grads(False)  # lse and correct get no gradient: skip their zero tensors
-        needs = tuple(ctx.needs_input_grad[1:4])
-        parts, grads = loop(x, weight, bias, target, class_weight, weight_sum, grad_scale, needs, opts, plan,
-                            compute_dtype, backend, want_correct, defer=True)
-        ctx.meta = (loop, opts, plan, compute_dtype, backend, needs,
-                    (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
+        needs = tuple(ctx.needs_input_grad[2:5])
+        parts, grads = loop(x, weight, bias, target, class_weight, weight_sum, grad_scale, needs, spec, defer=True)
+        ctx.meta = (loop, spec, needs, (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
         ctx.target_check = target_check
         return finish_forward(ctx, parts, grads, grad_scale, (x, weight, bias, target, class_weight, weight_sum))
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse, _grad_correct):
-        loop, opts, plan, compute_dtype, backend, needs, dtypes = ctx.meta
-        g = grad_loss.float()
+        loop, spec, needs, dtypes = ctx.meta
+        g = _as_dtype(grad_loss, torch.float32)
         grads = take_grads(ctx)
         if isinstance(grads, PendingGrads):
-            grads = finish_pending(grads, g, needs, dtypes, backend)
+            grads = finish_pending(grads, g, needs, dtypes, spec.backend)
             g = None
         elif grads is None:  # reduction="none": run the loop again with the per-row grad_output
-            _, grads = loop(*ctx.saved_tensors, g.contiguous(), needs, opts, plan, compute_dtype, backend)
+            _, grads = loop(*ctx.saved_tensors, g.contiguous(), needs, spec)
             g = None
-        out = scale_grads(grads, g, dtypes, backend)
+        out = scale_grads(grads, g, dtypes, spec.backend)
         if ctx.target_check is not None:  # waits only now, with this backward's kernels already queued
             ctx.target_check.raise_if_bad()
-        return None, *out, *([None] * 10)
+        return None, None, *out, None, None, None, None, None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .api import LossStats, _check_tensors, _compute_dtype, _raise_bad_targets, _reduction_scale, _stats
-from .function import ChunkGrads, LinearCrossEntropyFunction, LossParts
+from .function import ChunkGrads, LinearCrossEntropyFunction, LoopSpec, LossParts
 from .gemm import bmm_into
 from .grouped import check_group_bias, group_major_view
 from .kernels import ce_chunk, resolve_backend
@@ -101,13 +101,11 @@ def grouped_linear_cross_entropy(
                        weight_grad_hidden=weight_grad_hidden(linear_weight))
     plan = GroupedChunkPlan(base.n_rows, base.rows, base.accum_dtype, group_major)
     args = (x, linear_weight, linear_bias, t, class_w, weight_sum)
+    spec = LoopSpec(opts, plan, compute_dtype, backend, return_stats)
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:3]):
-        loss, lse, correct = LinearCrossEntropyFunction.apply(
-            grouped_chunk_loop, *args, scale, opts, plan, compute_dtype, backend, return_stats, None
-        )
+        loss, lse, correct = LinearCrossEntropyFunction.apply(grouped_chunk_loop, spec, *args, scale, None)
     else:
-        parts, _ = grouped_chunk_loop(*args, None, (False, False, False), opts, plan, compute_dtype,
-                                      backend, want_correct=return_stats)
+        parts, _ = grouped_chunk_loop(*args, None, (False, False, False), spec)
         loss = parts.loss if scale is None else parts.loss.sum() * scale
         lse, correct = parts.lse, parts.correct
 
@@ -130,11 +128,7 @@ def grouped_chunk_loop(
     weight_sum: torch.Tensor | None,
     grad_scale: torch.Tensor | None,
     needs: tuple[bool, bool, bool],
-    opts: LossOptions,
-    plan: GroupedChunkPlan,
-    compute_dtype: torch.dtype,
-    backend: str,
-    want_correct: bool = False,
+    spec: LoopSpec,
     defer: bool = False,
 ) -> tuple[LossParts, ChunkGrads]:
     """The core's ``chunk_loop`` (same contract) over groups: chunks of batch positions, batched GEMMs.
@@ -144,6 +138,8 @@ def grouped_chunk_loop(
     target: (B, G) or (G, B) int64; grad_scale: None, 0-d, or per token in target's shape.
     Per-token outputs have the target's shape; gradients the shapes of x, weight and bias.
     """
+    opts, plan, compute_dtype, backend, want_correct, _ = spec  # the grouped loss never passes counts
+
     def gm(t: torch.Tensor) -> torch.Tensor:
         return group_major_view(t, plan.group_major)
 

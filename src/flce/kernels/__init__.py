@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -23,8 +24,15 @@ def triton_available(device: torch.device) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_on_cuda() -> bool:
+    return triton_available(torch.device("cuda"))
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """'auto' means triton on CUDA and torch elsewhere; an explicit 'triton' must be runnable."""
+    if device.type == "cuda" and (backend == "auto" or backend == "triton") and _triton_on_cuda():
+        return "triton"  # every training step asks: answered once per process
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -48,6 +56,8 @@ def ce_chunk(
     weight_sum: torch.Tensor | None,
     grad_scale: torch.Tensor | None,
     opts: LossOptions,
+    counts: torch.Tensor | None = None,
+    total: torch.Tensor | None = None,
 ) -> None:
     """Cross-entropy of one chunk of logits, in place.
 
@@ -58,6 +68,10 @@ def ce_chunk(
         correct: (n,) float32 output, 1 where argmax == target, or None to skip.
         class_weight: (V,) or None; weight_sum: 0-d sum of class_weight (float32) or None.
         grad_scale: None (loss only), a 0-d scale, or (n,) per-row scales; all float32.
+        counts: None, or (3,) int64 zeros when the chunk holds all rows of a mean (the small-batch
+            path): then the kernel also counts [targets that are not ignore_index, those outside
+            [0, V), -] into it, writes grad_scale = 1 / max(valid, 1) and ``total`` (0-d float32) =
+            the mean loss, and the gradient it writes is not scaled (backward applies grad_scale).
     """
     if backend == "triton":
         from .ce_triton import ce_chunk_triton
@@ -65,4 +79,4 @@ def ce_chunk(
         fn = ce_chunk_triton
     else:
         fn = ce_chunk_torch
-    fn(logits, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts)
+    fn(logits, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts, counts, total)

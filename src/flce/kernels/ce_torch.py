@@ -21,6 +21,8 @@ def ce_chunk_torch(
     weight_sum: torch.Tensor | None,
     grad_scale: torch.Tensor | None,
     opts: LossOptions,
+    counts: torch.Tensor | None = None,
+    total: torch.Tensor | None = None,
 ) -> None:
     """See ``kernels.ce_chunk`` for the contract."""
     n, vocab = logits.shape
@@ -53,6 +55,11 @@ def ce_chunk_torch(
     lse.copy_(torch.where(valid, row_lse, 0.0))
     if correct is not None:
         correct.copy_(((z.argmax(1) == y) & valid).float())
+    if counts is not None:  # the batch's mean, as the kernel finishes it
+        n_valid = valid.sum()
+        counts[:2] = torch.stack([n_valid, (valid & ((target < 0) | (target >= vocab))).sum()])
+        grad_scale.copy_(n_valid.float().clamp(min=1.0).reciprocal())
+        total.copy_(loss.sum() * grad_scale)
     if grad_scale is None:
         return
 
@@ -67,6 +74,6 @@ def ce_chunk_torch(
         g -= eps / vocab * (w if w is not None else 1.0)
     if cap is not None:
         g *= 1.0 - (z / cap).square()
-    scale = grad_scale.float() / opts.temperature
+    scale = (grad_scale.float() if counts is None else torch.ones_like(grad_scale)) / opts.temperature
     g *= (scale + poison)[:, None]
     logits.copy_(torch.where(valid[:, None], g, 0.0))

@@ -98,6 +98,27 @@ def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coe
 
 
 @triton.jit
+def _finish_mean(loss_ptr, counts_ptr, total_ptr, scale_ptr, n_rows, n_valid, n_bad, BLOCK: tl.constexpr):
+    """A whole batch's mean in the kernel that made its rows (saves small batches three launches): every
+    program adds its target counts, and the last one to finish sums all rows' losses in a fixed order
+    (deterministic) and writes the mean and its scale 1 / max(valid, 1)."""
+    tl.atomic_add(counts_ptr, n_valid)
+    tl.atomic_add(counts_ptr + 1, n_bad)
+    tl.debug_barrier()  # this program's loss stores come before its release below
+    done = tl.atomic_add(counts_ptr + 2, 1)  # acq_rel, GPU scope
+    if done == tl.num_programs(0) - 1:
+        tl.debug_barrier()
+        valid_total = tl.atomic_add(counts_ptr, 0)
+        total = 0.0
+        for start in range(0, n_rows, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            total += tl.sum(tl.load(loss_ptr + offs, mask=offs < n_rows, other=0.0, volatile=True), 0)
+        scale = 1.0 / tl.maximum(valid_total.to(tl.float32), 1.0)
+        tl.store(scale_ptr, scale)
+        tl.store(total_ptr, total * scale)
+
+
+@triton.jit
 def _ce_kernel(
     logits_ptr,
     stride_row,
@@ -108,6 +129,8 @@ def _ce_kernel(
     loss_ptr,
     lse_ptr,
     correct_ptr,
+    counts_ptr,
+    total_ptr,
     n_rows,
     V,
     ignore_index,
@@ -122,8 +145,11 @@ def _ce_kernel(
     COMPUTE_GRAD: tl.constexpr,
     SCALE_PER_ROW: tl.constexpr,
     COMPUTE_ACC: tl.constexpr,
+    MEAN_BY_COUNT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    n_valid = tl.zeros((), dtype=tl.int64)
+    n_bad = tl.zeros((), dtype=tl.int64)
     # Each program takes rows round-robin, so one launch serves any chunk height.
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
@@ -131,7 +157,11 @@ def _ce_kernel(
         y = tl.load(target_ptr + row)
         valid = y != ignore_index
         # An unchecked target outside [0, V) poisons its row (NaN loss and gradient), never a number.
-        poison = tl.where(valid & ((y < 0) | (y >= V)), float("nan"), 0.0)
+        bad = valid & ((y < 0) | (y >= V))
+        poison = tl.where(bad, float("nan"), 0.0)
+        if MEAN_BY_COUNT:
+            n_valid += valid.to(tl.int64)
+            n_bad += bad.to(tl.int64)
         y = tl.minimum(tl.maximum(y, 0), V - 1)  # safe index for ignored (or unchecked) targets
 
         m, s, sum_z, best_idx = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT,
@@ -162,13 +192,17 @@ def _ce_kernel(
                 extra_coef += smoothing / V * w_sum
             if HAS_Z_LOSS:
                 extra_coef += 2.0 * z_loss * lse
-            if SCALE_PER_ROW:
+            if MEAN_BY_COUNT:
+                scale = 1.0  # the mean's scale is known only at the end: backward applies it
+            elif SCALE_PER_ROW:
                 scale = tl.load(scale_ptr + row).to(tl.float32)
             else:
                 scale = tl.load(scale_ptr).to(tl.float32)
             scale = scale * inv_temp + poison
             _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y, smoothing / V,
                             scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, BLOCK_V)
+    if MEAN_BY_COUNT:
+        _finish_mean(loss_ptr, counts_ptr, total_ptr, scale_ptr, n_rows, n_valid, n_bad, BLOCK_V)
 
 
 @dataclass(frozen=True)
@@ -200,6 +234,8 @@ def ce_chunk_triton(
     weight_sum: torch.Tensor | None,
     grad_scale: torch.Tensor | None,
     opts: LossOptions,
+    counts: torch.Tensor | None = None,
+    total: torch.Tensor | None = None,
     config: LaunchConfig = LaunchConfig(),
 ) -> None:
     """Launch the kernel on one chunk. See ``kernels.ce_chunk`` for the contract."""
@@ -220,6 +256,8 @@ def ce_chunk_triton(
         loss,
         lse,
         correct if correct is not None else dummy,
+        counts if counts is not None else dummy,
+        total if total is not None else dummy,
         n,
         vocab,
         opts.ignore_index,
@@ -234,6 +272,7 @@ def ce_chunk_triton(
         COMPUTE_GRAD=grad_scale is not None,
         SCALE_PER_ROW=grad_scale is not None and grad_scale.dim() == 1,
         COMPUTE_ACC=correct is not None,
+        MEAN_BY_COUNT=counts is not None,
         BLOCK_V=block_v,
         num_warps=max(4, min(config.num_warps, block_v // 512)),
     )

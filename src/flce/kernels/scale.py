@@ -10,13 +10,18 @@ from __future__ import annotations
 import torch
 
 
+# Below this many elements torch's multiply takes a few microseconds of GPU time, less than the host
+# time a Triton launch adds to a launch-bound step (small batches scale x and grad_input).
+TORCH_BELOW = 1 << 20
+
+
 def scale_into(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, backend: str,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """src * scale in ``dtype``: into ``out`` if given, else in place when src already has that dtype.
     src: contiguous, any shape; out: contiguous, src's shape."""
     if out is None:
         out = src if src.dtype == dtype else torch.empty(src.shape, dtype=dtype, device=src.device)
-    if backend != "triton" or src.numel() == 0 or not (src.is_contiguous() and out.is_contiguous()):
+    if backend != "triton" or src.numel() < TORCH_BELOW or not (src.is_contiguous() and out.is_contiguous()):
         return torch.mul(src, scale, out=out)
     from .scale_triton import scale_into_triton
 
