@@ -30,7 +30,7 @@ def ce_sweep(rows, vocab, opts=LossOptions(), grid=((1, 2, 4, 8), (1024, 2048, 4
     for pps in grid[0]:
         for block_v in grid[1]:
             for warps in grid[2]:
-                cfg = LaunchConfig(pps, block_v, warps)
+                cfg = LaunchConfig(pps, block_v, warps, few_rows_per_sm=0)  # exactly this launch
                 try:
                     ms = median_ms(lambda: ce_chunk_triton(buf, t, loss, lse, None, None, None, scale, opts, config=cfg),
                                    reps=20)

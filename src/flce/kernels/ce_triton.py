@@ -210,11 +210,19 @@ class LaunchConfig:
     """programs_per_sm: grid size per SM (rows are dealt out round-robin); block_v: vocabulary columns
     per step. Defaults from benchmark/tune_ce.py on an H200 (``--ce-shapes``, session 3: 0.912 ms for
     4096 x 128256 bf16 against 1.095 for 8 / 8192 / 16 warps, and best or within 5% of the best at
-    1024 x 128256 and 8192 x 32000; see benchmark/NOTES.md)."""
+    1024 x 128256 and 8192 x 32000; see benchmark/NOTES.md).
+
+    few_rows_*: the launch for chunks of at most ``few_rows_per_sm`` rows per SM (small batches). Each
+    row's program then has its SM nearly to itself and its time is the latency of its block loop, so
+    wider blocks put more bytes in flight (session 4, x 128256: 0.058 / 0.060 / 0.057 / 0.100 ms at
+    1 / 16 / 64 / 256 rows against 0.069 / 0.095 / 0.071 / 0.110 for the default launch)."""
 
     programs_per_sm: int = 16
     block_v: int = 8192
     num_warps: int = 8
+    few_rows_per_sm: int = 2
+    few_rows_block_v: int = 32768
+    few_rows_warps: int = 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,8 +252,11 @@ def ce_chunk_triton(
         return
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     dummy = loss  # placeholder pointer for disabled features (never read)
-    block_v = min(triton.next_power_of_2(vocab), config.block_v)
-    programs = min(n, config.programs_per_sm * _sm_count(logits.device.index))
+    sms = _sm_count(logits.device.index)
+    few_rows = n <= config.few_rows_per_sm * sms
+    block_v = min(triton.next_power_of_2(vocab), config.few_rows_block_v if few_rows else config.block_v)
+    warps = config.few_rows_warps if few_rows else config.num_warps
+    programs = min(n, config.programs_per_sm * sms)
     _ce_kernel[(programs,)](
         logits,
         logits.stride(0),
@@ -274,5 +285,5 @@ def ce_chunk_triton(
         COMPUTE_ACC=correct is not None,
         MEAN_BY_COUNT=counts is not None,
         BLOCK_V=block_v,
-        num_warps=max(4, min(config.num_warps, block_v // 512)),
+        num_warps=max(4, min(warps, block_v // 512)),
     )
