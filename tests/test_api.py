@@ -77,6 +77,26 @@ def test_single_chunk_backward_both_foldings(backend, device, monkeypatch, dtype
     check(backend, dtype, device, bias=True, ignore=0.2)
 
 
+@pytest.mark.parametrize("calls", [
+    ({}, 0),                           # one chunk, mean, training: the CE kernel counts and averages
+    ({"chunk_size": 8}, 1),            # several chunks: the scale is needed before the first one
+    ({"reduction": "sum"}, 1),
+    ({"num_items_in_batch": 20}, 1),
+    ({"bias": True, "ignore": 0.4}, 0),
+])
+def test_who_counts_the_targets(backend, device, monkeypatch, calls):
+    """A single-chunk mean in training leaves the target count to the CE kernel (three launches fewer
+    at small batches); every other call counts first. Both give the reference's loss and gradients."""
+    import flce.api
+
+    opts, want = calls
+    counted = []
+    count = flce.api.count_targets
+    monkeypatch.setattr(flce.api, "count_targets", lambda *a: counted.append(1) or count(*a))
+    check(backend, torch.float32, device, **opts)
+    assert len(counted) == want
+
+
 def test_all_options_bf16_sum(backend, device):
     check(backend, torch.bfloat16, device, reduction="sum", chunk_size=5, **dict(OPTION_SETS["all"]))
 

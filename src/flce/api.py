@@ -127,9 +127,8 @@ def linear_cross_entropy(
     plan = None if sync else plan_for(n)  # with the sync, the rows it keeps decide the plan
     class_w = weight.float().contiguous() if weight is not None else None
     weight_sum = class_w.sum() if class_w is not None else None
-    kernel_counts = None  # set when the CE kernel counts the targets and finishes the mean itself
-    if grad and plan is not None and n and plan.num_chunks == 1 and reduction == "mean" and class_w is None \
-            and num_items_in_batch is None:
+    kernel_counts = None
+    if _kernel_finishes_mean(plan, grad, reduction, class_w, num_items_in_batch):
         kernel_counts = counts = torch.zeros(3, dtype=torch.int64, device=t.device)
         scale = torch.empty((), dtype=torch.float32, device=t.device)  # written by the CE kernel
     else:
@@ -245,6 +244,13 @@ def _compute_dtype(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         raise TypeError(f"linear_bias ({bias.dtype}) and linear_weight ({weight.dtype}) must share a dtype "
                         "outside autocast")
     return weight.dtype
+
+
+def _kernel_finishes_mean(plan: ChunkPlan | None, grad: bool, reduction: str, class_w, num_items) -> bool:
+    """Whether the CE kernel counts the targets and finishes the mean itself (``LoopSpec.counts``): for a
+    plain mean over one chunk in training, which spares a small, launch-bound batch three launches."""
+    return (grad and plan is not None and plan.n_rows > 0 and plan.num_chunks == 1 and reduction == "mean"
+            and class_w is None and num_items is None)
 
 
 # Below this many tokens the GEMMs are passes over the weight whatever the row count, so dropping
