@@ -347,7 +347,7 @@ def _write_grad(logits, rows: _Rows, classes: _Classes, setup: _Setup, lse, scal
 class VocabParallelFunction(torch.autograd.Function):
     """Inputs: x (n, H), weight shard (V_r, H), bias shard, row facts, class weights, grad_scale (0-d
     reduction scale, or None for reduction='none'), setup. Outputs: loss (0-d, or (n,) for 'none'),
-    lse (n,), correct (n,) or empty."""
+    lse (n,), correct (n,) or None."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, rows, classes, grad_scale, setup):

@@ -5,7 +5,8 @@ loss and overwrites the logits with their gradient; then grad_input rows = dlogi
 grad_weight += dlogits^T @ x_c. Backward only multiplies by grad_output.
 
 Two exceptions. With a single chunk (small batches) the two gradient GEMMs wait for backward, where
-grad_output scales the small operand x_c instead of a whole (V, H) gradient afterwards. With
+grad_output scales the small operand x_c instead of a whole (V, H) gradient afterwards; for a plain
+mean the CE kernel then also counts the targets and finishes the mean itself (``LoopSpec.counts``). With
 reduction="none" the per-row grad_output is only known in backward, so there the loop runs again.
 """
 
