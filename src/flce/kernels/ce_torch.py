@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..options import LossOptions
+from .targets import count_targets
 
 
 def ce_chunk_torch(
@@ -56,10 +57,10 @@ def ce_chunk_torch(
     if correct is not None:
         correct.copy_(((z.argmax(1) == y) & valid).float())
     if counts is not None:  # the batch's mean, as the kernel finishes it
-        n_valid = valid.sum()
-        counts[:2] = torch.stack([n_valid, (valid & ((target < 0) | (target >= vocab))).sum()])
-        grad_scale.copy_(n_valid.float().clamp(min=1.0).reciprocal())
-        total.copy_(loss.sum() * grad_scale)
+        counted, mean_scale = count_targets(target, opts.ignore_index, vocab, "torch")
+        counts[:2] = counted
+        grad_scale.copy_(mean_scale)
+        total.copy_(loss.sum() * mean_scale)
     if grad_scale is None:
         return
 
