@@ -1,7 +1,7 @@
 """Kernel-by-kernel GPU time of the floor's three GEMMs and of flce steps, in one process.
 
 GPU only. Usage: PYTHONPATH=src python benchmark/profile_kernels.py [--shape 8192x4096x128256]
-[--chunk-sizes default,8192]. Prints, per variant, the summed CUDA time of each kernel name over
+[--chunk-sizes default,8192] [--accum-dtype bfloat16]. Prints, per variant, the summed CUDA time of each kernel name over
 ``--steps`` steps and the wall time per step, so the gap between a step and its kernels is visible.
 """
 
@@ -42,6 +42,8 @@ def main():
     p.add_argument("--shape", default="8192x4096x128256")
     p.add_argument("--chunk-sizes", default="default")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--accum-dtype", default=None, choices=[None, "bfloat16", "float32"],
+                   help="flce's grad_weight accumulator (bfloat16 with --chunk-sizes 512: the lean setting)")
     args = p.parse_args()
     bt, hidden, vocab = map(int, args.shape.split("x"))
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -59,12 +61,13 @@ def main():
     _run("floor", floor, args.steps)
     del big
     torch.cuda.empty_cache()
+    accum = getattr(torch, args.accum_dtype) if args.accum_dtype else None
     for spec in args.chunk_sizes.split(","):
         chunk = None if spec == "default" else int(spec)
 
         def step():
             x.grad = w.grad = None
-            flce.linear_cross_entropy(x, w, t, chunk_size=chunk).backward()
+            flce.linear_cross_entropy(x, w, t, chunk_size=chunk, accum_dtype=accum).backward()
 
         _run(f"flce chunk_size={spec}", step, args.steps)
         torch.cuda.empty_cache()

@@ -447,16 +447,23 @@ def _hf_loss(model, ids, labels):
 def _prepare(model, wrap: str, mixed_precision: str, device: torch.device):
     """The model as ``accelerator.prepare`` returns it. Without a GPU accelerate picks DDP whatever the
     plugin says, so there FSDP2 goes through accelerate's own ``fsdp2_prepare_model``."""
-    from accelerate import Accelerator
+    from accelerate import Accelerator, ParallelismConfig
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
     AcceleratorState._reset_state(True)
+    # An Accelerator given an FSDP plugin sets this for the whole process, so a later one without a plugin
+    # would wrap with FSDP (version 1) instead of DDP (benchmark/dist_check.py runs both in one process).
+    os.environ.pop("ACCELERATE_USE_FSDP", None)
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if wrap == "fsdp2" else None
     acc = Accelerator(cpu=device.type == "cpu", fsdp_plugin=plugin, mixed_precision=mixed_precision)
     if wrap == "fsdp2" and acc.distributed_type != DistributedType.FSDP:
         acc.state.fsdp_plugin = plugin
+        # A CPU mesh, as accelerate builds one for its device on GPUs: without it FSDP2's default mesh
+        # is on the machine's accelerator (a GPU where there is one) while the group and tensors are CPU.
+        acc.state.parallelism_config = ParallelismConfig(dp_shard_size=dist.get_world_size())
+        acc.state.device_mesh = acc.state.parallelism_config.get_device_mesh(device.type)
         return fsdp2_prepare_model(acc, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # accelerate's FSDP2 prepares the pair only
     return acc.prepare(model, optimizer)[0]
@@ -501,7 +508,7 @@ def patched_model_case(rank, world, *, wrap, tied, dtype=torch.float64, device=C
     return {"errs": errs, "fused": _uses_fused_loss(loss)}
 
 
-@pytest.mark.parametrize("wrap,tied", [("ddp", False), ("fsdp2", False), ("fsdp2", True)])
+@pytest.mark.parametrize("wrap,tied", [("ddp", False), ("fsdp2", False), ("fsdp2", True), ("ddp", True)])
 def test_patched_llama_under_ddp_and_fsdp2(cluster2, wrap, tied):
     for rank, res in enumerate(cluster2.run(patched_model_case, wrap=wrap, tied=tied)):
         assert res["fused"], f"rank {rank}: the loss did not go through flce"

@@ -1,4 +1,5 @@
-"""mm_into: write or accumulate into a (possibly wider) output; the out_dtype path and its fallback."""
+"""mm_into: write or accumulate into a (possibly wider) output; the out_dtype path and its fallback;
+mm_new: the same GEMM into a new tensor."""
 
 import pytest
 import torch
@@ -34,6 +35,20 @@ def test_outer_product_is_exact(device, out_dtype):
     if out_dtype == torch.float32:  # a product of two bf16 values is exact in float32, and so is twice it
         gemm.mm_into(out, a, b, accumulate=True)
         assert torch.equal(out, 2 * (a.double() @ b.double()).float())
+
+
+@pytest.mark.parametrize("k", [1, 40])
+@pytest.mark.parametrize("out_dtype,op_dtype", [
+    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+])
+def test_mm_new_matches_float64(device, k, out_dtype, op_dtype):
+    """A fresh (m, n) result in the asked dtype, through torch's own allocation or mm_into's rules (K = 1,
+    a wider output); the transposed operand is how backward passes dlogits."""
+    a, b = torch.randn(k, 33, device=device).to(op_dtype), torch.randn(k, 19, device=device).to(op_dtype)
+    out = gemm.mm_new(a.t(), b, out_dtype)
+    assert out.shape == (33, 19) and out.dtype == out_dtype and out.is_contiguous()
+    tol = 1e-5 if op_dtype == out_dtype == torch.float32 else 1e-2
+    assert rel_err(out, a.double().t() @ b.double()) < tol
 
 
 def test_fallback_is_used_where_out_dtype_is_missing():

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from .gemm import mm_into
+from .gemm import mm_into, mm_new
 from .kernels import ce_chunk
 from .kernels.scale import scale_into
 from .options import LossOptions
@@ -125,15 +125,18 @@ def chunk_loop(
             grads.weight.zero_()
         return parts, grads
 
-    buffer = torch.empty(plan.rows, vocab, dtype=compute_dtype, device=dev)
+    # One chunk: its GEMM allocates the logits (small batches are launch-bound: one host call fewer).
+    buffer = torch.empty(plan.rows, vocab, dtype=compute_dtype, device=dev) if plan.num_chunks > 1 else None
     row_scale = grad and grad_scale.dim() == 1
     for i, (start, end) in enumerate(plan.bounds()):
-        # A chunk of all rows takes the tensors themselves: small batches are launch-bound, and each
-        # slice is a dispatcher call.
+        # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
         rows = slice(start, end) if end - start < n else slice(None)
         x_c = _as_dtype(_take(x, rows), compute_dtype)
-        logits = _take(buffer, slice(None, end - start))
-        torch.mm(x_c, w.t(), out=logits)
+        if buffer is None:
+            logits = torch.mm(x_c, w.t())
+        else:
+            logits = _take(buffer, slice(None, end - start))
+            torch.mm(x_c, w.t(), out=logits)
         if bias is not None:
             logits.add_(bias)
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
@@ -174,13 +177,11 @@ def finish_pending(p: PendingGrads, g: torch.Tensor, needs, dtypes, backend) -> 
         x = scale_into(p.x, g, p.x.dtype, backend, out=torch.empty_like(p.x))
     grads = ChunkGrads(None, None, None)
     if needs[0]:
-        grads.input = torch.empty(p.x.shape, dtype=x_dtype, device=p.x.device)
-        mm_into(grads.input, dl, p.w, accumulate=False)
+        grads.input = mm_new(dl, p.w, x_dtype)
         if g_left is not None:
             scale_into(grads.input, g_left, x_dtype, backend)
     if needs[1]:
-        grads.weight = torch.empty(p.w.shape, dtype=w_dtype, device=p.w.device)
-        mm_into(grads.weight, dl.t(), x, accumulate=False)
+        grads.weight = mm_new(dl.t(), x, w_dtype)
     if needs[2]:
         b = dl.sum(0, dtype=torch.float32)
         grads.bias = (b if g_left is None else b * g_left).to(b_dtype)

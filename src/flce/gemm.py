@@ -47,6 +47,16 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: 
     _gemm_into(out, a, b, accumulate, batched=False)
 
 
+def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b as a new (m, n) tensor of ``dtype``. Where ``mm_into`` would add nothing to the plain GEMM
+    (same dtype, K > 1) torch allocates the output itself: one host call fewer on launch-bound steps."""
+    if dtype == a.dtype and a.shape[1] != 1:
+        return torch.mm(a, b)
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=dtype, device=a.device)
+    mm_into(out, a, b, accumulate=False)
+    return out
+
+
 def bmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool) -> None:
     """Batched ``mm_into``: out[i] = a[i] @ b[i] (or +=). ``out`` may be a strided view (any row stride,
     e.g. a permuted (B, G, N) buffer seen as (G, B, N)): cuBLAS writes it in place through ldc/strideC."""
