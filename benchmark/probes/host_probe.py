@@ -1,6 +1,8 @@
 """Probe (session 5, H200): host cost of one Triton launch by path (the usual launch, our launcher
 function, the compiled kernel's own ``run``, a 2-argument kernel), beside torch ops, and a cProfile of
-a flce step at BT=16. GPU only: PYTHONPATH=src:benchmark taskset -c 4 python benchmark/probes/host_probe.py"""
+a flce step at BT=16. GPU only: PYTHONPATH=src:benchmark taskset -c 4 python benchmark/probes/host_probe.py.
+Result (a slow H200 host): the usual launch 40 us, the compiled kernel's ``run`` 25, a 2-argument kernel
+25, torch.mm 37: launching through the compiled handle would save ~15 us of a 670 us step."""
 from __future__ import annotations
 import cProfile, pstats, statistics, time, io
 import torch, triton, triton.language as tl
