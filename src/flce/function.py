@@ -1,8 +1,9 @@
 """The autograd Function and its chunk loop.
 
-Forward, per chunk of rows: logits = x_c @ W^T (+ b) into one reused buffer (a single chunk: the GEMM's
-own output); the CE kernel writes the loss and overwrites the logits with their gradient; then grad_input rows = dlogits @ W and
-grad_weight += dlogits^T @ x_c. Backward only multiplies by grad_output.
+Forward, per chunk of rows: logits = x_c @ W^T (+ b) into one reused buffer (a single chunk: the
+GEMM's own output); the CE kernel writes the loss and overwrites the logits with their gradient; then
+grad_input rows = dlogits @ W and grad_weight += dlogits^T @ x_c. Backward only multiplies by
+grad_output.
 
 Two exceptions. With a single chunk (small batches) the two gradient GEMMs wait for backward, where
 grad_output scales the small operand x_c instead of a whole (V, H) gradient afterwards; for a plain
