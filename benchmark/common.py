@@ -79,6 +79,26 @@ def timed_calls(fn: Callable[[], Any], warmup: int, reps: int, device: torch.dev
     return [start.elapsed_time(end) for start, end in events]
 
 
+def host_us_per_call(fns: dict[str, Callable[[], Any]], rounds: int = 15, calls: int = 20,
+                     sleep_cycles: int = 100_000_000) -> dict[str, list[float]]:
+    """Host microseconds per call of each ``fns`` entry, one sample per round (interleaved rounds, so all
+    see the same host speed). Before each sample the GPU is put to sleep for ``sleep_cycles`` cycles, so
+    the host never waits for it: what is timed is launching, not running. CUDA only."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(sleep_cycles)
+            start = time.perf_counter()
+            for _ in range(calls):  # few enough calls not to fill the launch queue
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return times
+
+
 def peak_extra_mb(fn: Callable[[], Any], device: torch.device) -> float:
     """Peak CUDA memory allocated during ``fn()`` above what was allocated before it, in MiB (NaN off GPU).
 

@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from common import host_us_per_call
 
 import flce
 from flce.kernels.ce_triton import ce_chunk_triton
@@ -121,18 +122,7 @@ def host_only(bt: int, steps: int = 30) -> None:
                 for name, loss in _losses(x, w, t).items() if "unchecked" in name or "flce" not in name}
     variants["flce forward only"] = lambda: flce.linear_cross_entropy(x, w, t)  # the check, not its wait
     variants["flce forward only, unchecked"] = lambda: flce.linear_cross_entropy(x, w, t, validate_target=False)
-    times = {name: [] for name in variants}
-    for fn in variants.values():
-        fn()
-    for _ in range(ROUNDS):
-        for name, fn in variants.items():
-            torch.cuda.synchronize()
-            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work: the host never waits below
-            start = time.perf_counter()
-            for _ in range(steps):  # few enough calls not to fill the launch queue
-                fn()
-            times[name].append((time.perf_counter() - start) / steps * 1e6)
-    torch.cuda.synchronize()
+    times = host_us_per_call(variants, rounds=ROUNDS, calls=steps, sleep_cycles=200_000_000)
     _report(bt, "us/step on the host", times)
 
 

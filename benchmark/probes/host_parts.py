@@ -7,10 +7,10 @@ dominates (a Triton launch 44, torch.mm 28, an autograd Function with autograd.g
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from common import host_us_per_call
 
 import flce
 from flce import api, planner
@@ -57,18 +57,7 @@ pieces = {
     "flce fwd+bwd, checked": lambda: torch.autograd.grad(flce.linear_cross_entropy(x, w, t), (x, w)),
     "eager fwd+bwd": lambda: torch.autograd.grad(F.cross_entropy((x @ w.t()).float(), t), (x, w)),
 }
-for fn in pieces.values():
-    fn()
-times = {k: [] for k in pieces}
-for _ in range(15):
-    for name, fn in pieces.items():
-        torch.cuda.synchronize()
-        torch.cuda._sleep(50_000_000)
-        start = time.perf_counter()
-        for _ in range(20):
-            fn()
-        times[name].append((time.perf_counter() - start) / 20 * 1e6)
-torch.cuda.synchronize()
+times = host_us_per_call(pieces, sleep_cycles=50_000_000)
 print(torch.cuda.get_device_name())
 for name, v in times.items():
     print(f"{name:44s} {statistics.median(v):7.1f} us")

@@ -4,9 +4,10 @@ a flce step at BT=16. GPU only: PYTHONPATH=src:benchmark taskset -c 4 python ben
 Result (a slow H200 host): the usual launch 40 us, the compiled kernel's ``run`` 25, a 2-argument kernel
 25, torch.mm 37: launching through the compiled handle would save ~15 us of a 670 us step."""
 from __future__ import annotations
-import cProfile, pstats, statistics, time, io
+import cProfile, pstats, statistics, io
 import torch, triton, triton.language as tl
 import flce
+from common import host_us_per_call
 from flce.kernels.ce_triton import _ce_kernel, ce_chunk_triton, LaunchConfig
 from flce.options import LossOptions
 
@@ -53,16 +54,7 @@ try:
 except Exception as e:
     print("direct launch failed:", type(e).__name__, e)
 
-times = {n: [] for n in variants}
-for _ in range(15):
-    for name, fn in variants.items():
-        torch.cuda.synchronize()
-        torch.cuda._sleep(100_000_000)
-        s = time.perf_counter()
-        for _ in range(20):
-            fn()
-        times[name].append((time.perf_counter() - s) / 20 * 1e6)
-torch.cuda.synchronize()
+times = host_us_per_call(variants)
 for n, v in times.items():
     print(f"{n:34s} {statistics.median(v):8.1f} us")
 

@@ -1,13 +1,22 @@
-"""Probe (session 5): a CE kernel that reads each logit once by splitting every row over S programs that
-keep their segment in registers: partial (max, sum exp, target logit) go through global memory, the
-siblings of a row wait for each other (a cooperative launch keeps them all resident), then each writes
-its segment's gradient. Default options only. GPU only:
-PYTHONPATH=src:benchmark python benchmark/probes/ce_split_row_probe.py. Result (H100): correct, but
-slower than two passes (best 1.55 against 1.08 ms at 4096 x 128256): co-residency allows 2-4 programs
-per SM, and each waits for its row's siblings before it writes, so few loads are in flight.
-Under TRITON_INTERPRET only S = 1 can run (programs run one after another, none can wait)."""
+"""Probe (session 5): CE kernels that read each logit once (1R+1W) against flce's two-pass kernel
+(2R+1W), default options only. GPU only:
+
+    PYTHONPATH=src:benchmark python benchmark/probes/ce_one_read_probe.py --kernel row    (H100: ce_row_probe.txt)
+    PYTHONPATH=src:benchmark python benchmark/probes/ce_one_read_probe.py --kernel split  (H100: ce_split_row_probe.txt)
+
+``row``: the whole row in registers, one program per row. The row does not fit at V=128256 (spills:
+~170 GB/s), and at V=32000 one row per program in flight is slower than two passes over many rows
+(1.5 against 2.2 TB/s).
+``split``: every row split over S programs that keep their segment in registers; partial (max, sum exp,
+target logit) go through global memory and the siblings of a row wait for each other (a cooperative
+launch keeps them all resident), then each writes its segment's gradient. Correct, but slower than two
+passes (best 1.55 against 1.08 ms at 4096 x 128256): co-residency allows 2-4 programs per SM, and each
+waits for its row's siblings before it writes, so few loads are in flight. Under TRITON_INTERPRET only
+S = 1 can run (programs run one after another, none can wait).
+"""
 from __future__ import annotations
 
+import argparse
 import statistics
 
 import torch
@@ -17,6 +26,37 @@ from common import timed_calls
 
 from flce.kernels.ce_triton import ce_chunk_triton
 from flce.options import LossOptions
+
+
+@triton.jit
+def _ce_row_once(logits_ptr, stride_row, target_ptr, scale_ptr, loss_ptr, lse_ptr, n_rows, V, ignore_index,
+                 BLOCK_V: tl.constexpr):
+    cols = tl.arange(0, BLOCK_V)
+    mask = cols < V
+    scale = tl.load(scale_ptr)
+    for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        row_ptr = logits_ptr + tl.cast(row_i, tl.int64) * stride_row
+        y = tl.load(target_ptr + row_i)
+        valid = y != ignore_index
+        raw = tl.load(row_ptr + cols, mask=mask, other=float("-inf"))
+        z = raw.to(tl.float32)
+        m = tl.max(z, 0)
+        s = tl.sum(tl.exp(z - m), 0)
+        lse = m + tl.log(s)
+        z_y = tl.sum(tl.where(cols == y, z, 0.0), 0)
+        tl.store(loss_ptr + row_i, tl.where(valid, lse - z_y, 0.0))
+        tl.store(lse_ptr + row_i, tl.where(valid, lse, 0.0))
+        p = tl.exp(z - lse)
+        g = (p - tl.where(cols == y, 1.0, 0.0)) * scale
+        g = tl.where(valid, g, 0.0)
+        tl.store(row_ptr + cols, g.to(raw.dtype), mask=mask)
+
+
+def launch_once(logits, t, loss, lse, scale, pps, warps):
+    n, V = logits.shape
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _ce_row_once[(min(n, pps * sms),)](logits, logits.stride(0), t, scale, loss, lse, n, V, -100,
+                                        BLOCK_V=triton.next_power_of_2(V), num_warps=warps)
 
 
 @triton.jit
@@ -62,7 +102,7 @@ def _ce_split_row(logits_ptr, stride_row, target_ptr, scale_ptr, loss_ptr, lse_p
         tl.store(row_ptr + cols, tl.where(valid, g, 0.0).to(raw.dtype), mask=mask)
 
 
-def launch(logits, t, loss, lse, scale, seg, warps, per_sm, coop=True):
+def launch_split(logits, t, loss, lse, scale, seg, warps, per_sm, coop=True):
     n, V = logits.shape
     S = triton.cdiv(V, seg)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -74,11 +114,24 @@ def launch(logits, t, loss, lse, scale, seg, warps, per_sm, coop=True):
                                  S=S, S_POW=triton.next_power_of_2(S), SEG=seg, num_warps=warps, **kw)
 
 
+def _variants(kernel: str, t, loss, lse, scale) -> dict:
+    if kernel == "row":
+        return {f"once pps={pps} warps={warps}": (lambda b, p=pps, w=warps: launch_once(b, t, loss, lse, scale, p, w))
+                for pps in (1, 2, 4) for warps in (16, 32)}
+    return {f"split seg={seg} w={warps} per_sm={per_sm}":
+            (lambda b, a=seg, w=warps, p=per_sm: launch_split(b, t, loss, lse, scale, a, w, p))
+            for seg, warps in ((4096, 4), (8192, 8), (8192, 4), (16384, 16), (16384, 8)) for per_sm in (1, 2, 4, 8)}
+
+
 def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--kernel", choices=("row", "split"), default="split")
+    kernel = p.parse_args().kernel
     dev = torch.device("cuda")
     opts = LossOptions()
     print(torch.cuda.get_device_name(), "triton", triton.__version__)
-    for rows, V in ((4096, 128256), (512, 128256), (8192, 32000), (16, 128256)):
+    shapes = ((4096, 128256), (512, 128256), (8192, 32000)) + (((16, 128256),) if kernel == "split" else ((2048, 128256),))
+    for rows, V in shapes:
         src = torch.randn(rows, V, device=dev, dtype=torch.bfloat16) * 3
         t = torch.randint(0, V, (rows,), device=dev)
         t[::7] = -100
@@ -88,10 +141,7 @@ def main():
         ce_chunk_triton(ref, t, loss, lse, None, None, None, scale, opts)
         ref_loss = loss.clone()
         variants = {"flce two-pass": lambda b: ce_chunk_triton(b, t, loss, lse, None, None, None, scale, opts)}
-        for seg, warps in ((4096, 4), (8192, 8), (8192, 4), (16384, 16), (16384, 8)):
-            for per_sm in (1, 2, 4, 8):
-                variants[f"split seg={seg} w={warps} per_sm={per_sm}"] = (
-                    lambda b, a=seg, w=warps, p=per_sm: launch(b, t, loss, lse, scale, a, w, p))
+        variants.update(_variants(kernel, t, loss, lse, scale))
         buf = src.clone()
         gb = 2 * rows * V * 2 / 1e9
         for name, fn in variants.items():
@@ -103,7 +153,7 @@ def main():
                 ms = statistics.median(timed_calls(lambda: fn(buf), 3, 20, dev))
                 print(f"{rows}x{V} {name:36s} {ms:7.3f} ms {gb / ms * 1e3:6.0f} GB/s (1R+1W)  "
                       f"max diff grad {err[0]:.1e} loss {err[1]:.1e}", flush=True)
-            except Exception as e:  # noqa: BLE001 - a launch too large for co-residency, say so
+            except Exception as e:  # noqa: BLE001 - a launch too large for co-residency: say so
                 print(f"{rows}x{V} {name:36s} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
 
 
