@@ -3,7 +3,8 @@
 Forward, per chunk of rows: logits = x_c @ W^T (+ b) into one reused buffer (a single chunk: the
 GEMM's own output); the CE kernel writes the loss and overwrites the logits with their gradient; then
 grad_input rows = dlogits @ W and grad_weight += dlogits^T @ x_c. Backward only multiplies by
-grad_output.
+grad_output. On Hopper the logits GEMM is flce's own (``kernels.logits_triton``): its epilogue hands
+the CE kernel each row's softmax statistics, so the CE kernel reads the logits once.
 
 Two exceptions. With a single chunk (small batches) the two gradient GEMMs wait for backward, where
 grad_output scales the small operand x_c instead of a whole (V, H) gradient afterwards; for a plain
@@ -133,20 +134,35 @@ def chunk_loop(
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
         rows = slice(start, end) if end - start < n else slice(None)
         x_c = _as_dtype(_take(x, rows), compute_dtype)
-        if buffer is None:
-            logits = torch.mm(x_c, w.t())
-        else:
-            logits = _take(buffer, slice(None, end - start))
-            torch.mm(x_c, w.t(), out=logits)
-        if bias is not None:
-            logits.add_(bias)
+        logits, tile_stats = chunk_logits(x_c, w, bias, _take(buffer, slice(None, end - start)), opts, backend)
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
                  _take(parts.correct, rows), class_weight, weight_sum,
-                 _take(grad_scale, rows) if row_scale else grad_scale, opts, counts, parts.total)
+                 _take(grad_scale, rows) if row_scale else grad_scale, opts, counts, parts.total, tile_stats)
         if defer:
             return parts, PendingGrads(dlogits=logits, x=x_c, w=w, scale=None if counts is None else grad_scale)
         gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0)
     return parts, grads
+
+
+def chunk_logits(x_c, w, bias, out, opts: LossOptions, backend: str):
+    """A chunk's logits x_c @ w^T (+ bias), into ``out`` or a new tensor, and the CE kernel's tile
+    statistics when the fused Triton GEMM could compute them (``kernels.logits_triton``), else None."""
+    if backend == "triton":
+        from .kernels import logits_triton
+
+        if logits_triton.supported(x_c, w, w.shape[0]):
+            n, vocab = x_c.shape[0], w.shape[0]
+            logits = torch.empty(n, vocab, dtype=x_c.dtype, device=x_c.device) if out is None else out
+            stats = torch.empty(2, n, logits_triton.num_tiles(vocab), dtype=torch.float32, device=x_c.device)
+            logits_triton.logits_with_tile_stats(x_c, w, bias, logits, stats[0], stats[1], opts)
+            return logits, (stats[0], stats[1])
+    if out is None:
+        logits = torch.mm(x_c, w.t())
+    else:
+        logits = torch.mm(x_c, w.t(), out=out)
+    if bias is not None:
+        logits.add_(bias)
+    return logits, None
 
 
 def _take(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:

@@ -58,6 +58,7 @@ def ce_chunk(
     opts: LossOptions,
     counts: torch.Tensor | None = None,
     total: torch.Tensor | None = None,
+    tile_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Cross-entropy of one chunk of logits, in place.
 
@@ -72,11 +73,15 @@ def ce_chunk(
             path): then the kernel also counts [targets that are not ignore_index, those outside
             [0, V), -] into it, writes grad_scale = 1 / max(valid, 1) and ``total`` (0-d float32) =
             the mean loss, and the gradient it writes is not scaled (backward applies grad_scale).
+        tile_stats: None, or the (n, T) float32 per-tile max and sum exp(z - max) that
+            ``logits_triton.logits_with_tile_stats`` wrote with these logits (triton only): the kernel
+            then takes each row's lse from them and reads the logits once.
     """
     if backend == "triton":
         from .ce_triton import ce_chunk_triton
 
-        fn = ce_chunk_triton
+        ce_chunk_triton(logits, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts, counts,
+                        total, tile_stats)
     else:
-        fn = ce_chunk_torch
-    fn(logits, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts, counts, total)
+        assert tile_stats is None, "tile statistics come with the triton backend only"
+        ce_chunk_torch(logits, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts, counts, total)

@@ -33,6 +33,25 @@ def _logits(raw, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _extras(z_in, z, mask, cols, start, class_weight_ptr, sum_z, best, best_idx, HAS_WEIGHT: tl.constexpr,
+            HAS_SMOOTHING: tl.constexpr, COMPUTE_ACC: tl.constexpr):
+    """One block's share of the (class-weighted) sum of z for smoothing and of the argmax for accuracy
+    (z: -inf where masked); the first index wins ties."""
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            sum_z += tl.sum(tl.where(mask, w * z_in, 0.0), 0)
+        else:
+            sum_z += tl.sum(tl.where(mask, z_in, 0.0), 0)
+    if COMPUTE_ACC:
+        block_max = tl.max(z, 0)
+        block_arg = start + tl.argmax(z, 0)
+        best_idx = tl.where(block_max > best, block_arg, best_idx)
+        best = tl.maximum(best, block_max)
+    return sum_z, best, best_idx
+
+
+@triton.jit
 def _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT: tl.constexpr,
                HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ACC: tl.constexpr,
                BLOCK_V: tl.constexpr):
@@ -49,52 +68,90 @@ def _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT: tl.c
         raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         z_in = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
         z = tl.where(mask, z_in, float("-inf"))
-        block_max = tl.max(z, 0)
-        m_new = tl.maximum(m, block_max)
+        m_new = tl.maximum(m, tl.max(z, 0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that start with -inf logits
         s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)
         m = m_new
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                sum_z += tl.sum(tl.where(mask, w * z_in, 0.0), 0)
-            else:
-                sum_z += tl.sum(tl.where(mask, z_in, 0.0), 0)
-        if COMPUTE_ACC:
-            block_arg = tl.argmax(z, 0)
-            best_idx = tl.where(block_max > best, start + block_arg, best_idx)
-            best = tl.maximum(best, block_max)
+        sum_z, best, best_idx = _extras(z_in, z, mask, cols, start, class_weight_ptr, sum_z, best, best_idx, HAS_WEIGHT,
+                                        HAS_SMOOTHING, COMPUTE_ACC)
     return m, s, sum_z, best_idx
+
+
+@triton.jit
+def _tile_stats_lse(max_ptr, sum_ptr, n_tiles, BLOCK_T: tl.constexpr):
+    """A row's log-sum-exp from the logits GEMM's per-tile (max, sum exp(z - max)) partials."""
+    m = float("-inf")
+    s = 0.0
+    for start in range(0, n_tiles, BLOCK_T):
+        t = start + tl.arange(0, BLOCK_T)
+        tile_max = tl.load(max_ptr + t, mask=t < n_tiles, other=float("-inf"))
+        tile_sum = tl.load(sum_ptr + t, mask=t < n_tiles, other=0.0)
+        m_new = tl.maximum(m, tl.max(tile_max, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_ref) + tl.sum(tl.where(tile_sum > 0.0, tile_sum * tl.exp(tile_max - m_ref), 0.0), 0)
+        m = m_new
+    return m + tl.log(s)
+
+
+@triton.jit
+def _grad_block(z, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef, smoothing_per_class, scale, keep,
+                softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """dz_j = target_coef * (p_j - [j == y]) + extra_coef * p_j - smoothing_per_class * w_j, chained
+    through softcap and temperature (``scale`` includes 1/T); exact zeros where not ``keep`` (never
+    0 * NaN). p_y - 1 is exact for a confident target (p_y >= 1/2), so a small target gradient is not
+    the difference of two rounded O(1) terms."""
+    p = tl.exp(z - lse)
+    g = target_coef * (p - tl.where(cols == y, 1.0, 0.0)) + extra_coef * p
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            g -= smoothing_per_class * w
+        else:
+            g -= smoothing_per_class
+    if HAS_SOFTCAP:
+        t = z / softcap
+        g = g * (1.0 - t * t)
+    return tl.where(keep, g * scale, 0.0)
 
 
 @triton.jit
 def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class, scale,
                     keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Pass 2: dz_j = target_coef * (p_j - [j == y]) + extra_coef * p_j - smoothing_per_class * w_j,
-    chained through softcap and temperature (``scale`` includes 1/T), written over the row; exact zeros
-    where not ``keep`` (never 0 * NaN). p_y - 1 is exact for a confident target (p_y >= 1/2), so a
-    small target gradient is not the difference of two rounded O(1) terms. Backwards over V: the
-    blocks pass 1 read last are likeliest still in L2."""
+    """Pass 2: the gradient (``_grad_block``) written over the row. Backwards over V: the blocks pass 1
+    read last are likeliest still in L2."""
     last = (V - 1) // BLOCK_V * BLOCK_V
     for back in range(0, V, BLOCK_V):
         cols = (last - back) + tl.arange(0, BLOCK_V)
         mask = cols < V
         raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         z = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
-        p = tl.exp(z - lse)
-        g = target_coef * (p - tl.where(cols == y, 1.0, 0.0)) + extra_coef * p
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                g -= smoothing_per_class * w
-            else:
-                g -= smoothing_per_class
-        if HAS_SOFTCAP:
-            t = z / softcap
-            g = g * (1.0 - t * t)
-        g = tl.where(keep, g * scale, 0.0)
+        g = _grad_block(z, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef, smoothing_per_class,
+                        scale, keep, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
         tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _write_row_grad_once(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class,
+                         scale, keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr, COMPUTE_ACC: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The only pass when lse is known beforehand (tile statistics): the gradient written over the row,
+    and the sum of z and argmax that the loss and accuracy need, from the same read."""
+    sum_z = 0.0
+    best = float("-inf")
+    best_idx = 0
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        z_in = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
+        z = tl.where(mask, z_in, float("-inf"))
+        sum_z, best, best_idx = _extras(z_in, z, mask, cols, start, class_weight_ptr, sum_z, best, best_idx, HAS_WEIGHT,
+                                        HAS_SMOOTHING, COMPUTE_ACC)
+        g = _grad_block(z_in, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef, smoothing_per_class,
+                        scale, keep, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+        tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
+    return sum_z, best_idx
 
 
 @triton.jit
@@ -131,6 +188,9 @@ def _ce_kernel(
     correct_ptr,
     counts_ptr,
     total_ptr,
+    tile_max_ptr,
+    tile_sum_ptr,
+    n_tiles,
     n_rows,
     V,
     ignore_index,
@@ -146,7 +206,9 @@ def _ce_kernel(
     SCALE_PER_ROW: tl.constexpr,
     COMPUTE_ACC: tl.constexpr,
     MEAN_BY_COUNT: tl.constexpr,
+    TILE_STATS: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     n_valid = tl.zeros((), dtype=tl.int64)
     n_bad = tl.zeros((), dtype=tl.int64)
@@ -164,29 +226,28 @@ def _ce_kernel(
             n_bad += bad.to(tl.int64)
         y = tl.minimum(tl.maximum(y, 0), V - 1)  # safe index for ignored (or unchecked) targets
 
-        m, s, sum_z, best_idx = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT,
-                                           HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V)
-        lse = m + tl.log(s)
-
-        z_y = _logits(tl.load(row_ptr + y).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)
+        z_y = _logits(tl.load(row_ptr + y).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)  # before pass 2
         if HAS_WEIGHT:
             w_y = tl.load(class_weight_ptr + y).to(tl.float32)
             w_sum = tl.load(weight_sum_ptr).to(tl.float32)
         else:
             w_y = 1.0
             w_sum = V * 1.0
-        loss = (1.0 - smoothing) * w_y * (lse - z_y)
-        if HAS_SMOOTHING:
-            loss += smoothing / V * (w_sum * lse - sum_z)
-        if HAS_Z_LOSS:
-            loss += z_loss * lse * lse
-        tl.store(loss_ptr + row, tl.where(valid, loss + poison, 0.0))
-        tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
-        if COMPUTE_ACC:
-            tl.store(correct_ptr + row, (valid & (best_idx == y)).to(tl.float32))
+        if TILE_STATS:  # lse from the logits GEMM's epilogue: no pass for it
+            stats = row * n_tiles
+            lse = _tile_stats_lse(tile_max_ptr + stats, tile_sum_ptr + stats, n_tiles, BLOCK_T)
+            sum_z = 0.0
+            best_idx = 0
+            if not COMPUTE_GRAD and (HAS_SMOOTHING or COMPUTE_ACC):
+                _m, _s, sum_z, best_idx = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT,
+                                                     HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V)
+        else:
+            m, s, sum_z, best_idx = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT,
+                                               HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V)
+            lse = m + tl.log(s)
 
         if COMPUTE_GRAD:
-            # Pass 2, times the reduction's scale; ignored rows get exact zeros.
+            # Times the reduction's scale; ignored rows get exact zeros.
             extra_coef = 0.0  # the part of dz / dp that is not the target's (1 - smoothing) * w_y
             if HAS_SMOOTHING:
                 extra_coef += smoothing / V * w_sum
@@ -199,8 +260,24 @@ def _ce_kernel(
             else:
                 scale = tl.load(scale_ptr).to(tl.float32)
             scale = scale * inv_temp + poison
-            _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y, smoothing / V,
-                            scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, BLOCK_V)
+            if TILE_STATS:
+                sum_z, best_idx = _write_row_grad_once(
+                    row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y, smoothing / V, scale,
+                    valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V)
+            else:
+                _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y,
+                                smoothing / V, scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
+                                HAS_SOFTCAP, BLOCK_V)
+
+        loss = (1.0 - smoothing) * w_y * (lse - z_y)
+        if HAS_SMOOTHING:
+            loss += smoothing / V * (w_sum * lse - sum_z)
+        if HAS_Z_LOSS:
+            loss += z_loss * lse * lse
+        tl.store(loss_ptr + row, tl.where(valid, loss + poison, 0.0))
+        tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
+        if COMPUTE_ACC:
+            tl.store(correct_ptr + row, (valid & (best_idx == y)).to(tl.float32))
     if MEAN_BY_COUNT:
         _finish_mean(loss_ptr, counts_ptr, total_ptr, scale_ptr, n_rows, n_valid, n_bad, BLOCK_V)
 
@@ -244,6 +321,7 @@ def ce_chunk_triton(
     opts: LossOptions,
     counts: torch.Tensor | None = None,
     total: torch.Tensor | None = None,
+    tile_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: LaunchConfig = LaunchConfig(),
 ) -> None:
     """Launch the kernel on one chunk. See ``kernels.ce_chunk`` for the contract."""
@@ -269,6 +347,9 @@ def ce_chunk_triton(
         correct if correct is not None else dummy,
         counts if counts is not None else dummy,
         total if total is not None else dummy,
+        tile_stats[0] if tile_stats is not None else dummy,
+        tile_stats[1] if tile_stats is not None else dummy,
+        tile_stats[0].shape[1] if tile_stats is not None else 0,
         n,
         vocab,
         opts.ignore_index,
@@ -284,6 +365,8 @@ def ce_chunk_triton(
         SCALE_PER_ROW=grad_scale is not None and grad_scale.dim() == 1,
         COMPUTE_ACC=correct is not None,
         MEAN_BY_COUNT=counts is not None,
+        TILE_STATS=tile_stats is not None,
         BLOCK_V=block_v,
+        BLOCK_T=min(triton.next_power_of_2(tile_stats[0].shape[1]), 1024) if tile_stats is not None else 1,
         num_warps=max(4, min(warps, block_v // 512)),
     )

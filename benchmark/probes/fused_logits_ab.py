@@ -1,0 +1,117 @@
+"""Probe (session 6): what the fused logits GEMM (kernels/logits_triton.py) buys inside a whole step, and
+how its CE kernel's one read should be launched. GPU only:
+
+    PYTHONPATH=src:benchmark python benchmark/probes/fused_logits_ab.py [--shapes 8192x4096x128256,...]
+
+Part 1, per shape, interleaved (common.measure_interleaved): the floor, flce, flce with the fused GEMM
+switched off (cuBLAS logits + the two-pass CE kernel, as before session 6), and flce with the given
+``--chunk-rows`` (larger chunks: fewer read-modify-writes of the float32 accumulator).
+Part 2: the CE kernel alone on 4096 x 128256 bf16 with tile statistics, over launch configurations.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+from types import SimpleNamespace
+
+import torch
+from common import measure_interleaved, timed_calls
+
+import flce
+from flce.kernels import logits_triton
+from flce.kernels.ce_triton import LaunchConfig, ce_chunk_triton
+from flce.options import LossOptions
+
+
+@contextlib.contextmanager
+def fused_off():
+    keep = logits_triton.MIN_ROWS
+    logits_triton.MIN_ROWS = 1 << 62
+    try:
+        yield
+    finally:
+        logits_triton.MIN_ROWS = keep
+
+
+def step(x, w, t, **kw):
+    def run():
+        x.grad = w.grad = None
+        flce.linear_cross_entropy(x, w, t, **kw).backward()
+    return run
+
+
+def floor(x, w):
+    def run():
+        logits = x @ w.t()
+        x_grad = logits @ w
+        w_grad = logits.t() @ x
+        return x_grad, w_grad
+    return run
+
+
+def part1(shape, chunk_rows, args):
+    bt, h, v = shape
+    x = torch.randn(bt, h, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, h, device="cuda") / h**0.5).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (bt,), device="cuda")
+    flce_step = step(x, w, t)
+    off = step(x, w, t)
+
+    def cublas_two_pass():
+        with fused_off():
+            off()
+    fns = {"floor": floor(x.detach(), w.detach()), "flce": flce_step, "flce fused off": cublas_two_pass}
+    for rows in chunk_rows:
+        if rows < bt:
+            fns[f"flce chunk {rows}"] = step(x, w, t, chunk_size=rows)
+    res = measure_interleaved(fns, args, 6.0 * bt * h * v)
+    base = res["floor"]["median_ms"]
+    for name, r in res.items():
+        print(f"{bt}x{h}x{v} {name:22s} {r['median_ms']:8.3f} ms  x_floor {r['median_ms'] / base:.3f}  "
+              f"peak {r['peak_mb']:.0f} MB  {r['status']}", flush=True)
+
+
+def part2():
+    n, v = 4096, 128256
+    torch.manual_seed(0)
+    logits = (torch.randn(n, v, device="cuda") * 2).bfloat16()
+    t = torch.randint(0, v, (n,), device="cuda")
+    tiles = logits_triton.num_tiles(v)
+    z = torch.nn.functional.pad(logits.float(), (0, tiles * logits_triton.TILE.block_n - v), value=float("-inf"))
+    z = z.view(n, tiles, -1)
+    tile_max = z.amax(2)
+    tile_sum = (z - tile_max[..., None]).exp().sum(2)
+    loss, lse, scale = torch.empty(n, device="cuda"), torch.empty(n, device="cuda"), torch.ones((), device="cuda")
+    opts = LossOptions()
+    buf = logits.clone()
+    for pps, block_v, warps in ((16, 8192, 8), (8, 8192, 8), (4, 8192, 8), (16, 4096, 8), (8, 4096, 4),
+                                (16, 4096, 4), (8, 16384, 16), (4, 16384, 16), (2, 32768, 16), (32, 2048, 4)):
+        cfg = LaunchConfig(programs_per_sm=pps, block_v=block_v, num_warps=warps)
+        ms = statistics.median(timed_calls(
+            lambda: ce_chunk_triton(buf, t, loss, lse, None, None, None, scale, opts,
+                                    tile_stats=(tile_max, tile_sum), config=cfg), 3, 20, torch.device("cuda")))
+        print(f"CE one read 4096x128256 pps={pps:2d} block_v={block_v:5d} warps={warps:2d}: {ms:.3f} ms "
+              f"{2 * n * v * 2 / ms / 1e6:.0f} GB/s", flush=True)
+    ms = statistics.median(timed_calls(lambda: ce_chunk_triton(buf, t, loss, lse, None, None, None, scale, opts),
+                                       3, 20, torch.device("cuda")))
+    print(f"CE two passes 4096x128256 (default launch): {ms:.3f} ms {3 * n * v * 2 / ms / 1e6:.0f} GB/s", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="8192x4096x128256,32768x4096x128256")
+    p.add_argument("--chunk-rows", default="5504")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--skip-part1", action="store_true")
+    a = p.parse_args()
+    print(torch.cuda.get_device_name(), flush=True)
+    args = SimpleNamespace(device=torch.device("cuda"), reps=a.reps, warmup=2)
+    if not a.skip_part1:
+        for s in a.shapes.split(","):
+            part1(tuple(int(d) for d in s.split("x")), [int(r) for r in a.chunk_rows.split(",") if r], args)
+    part2()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The logits GEMM with the CE kernel's first pass in its epilogue (Hopper).
+
+logits = x_c @ W^T (+ b) as a persistent Triton GEMM over TMA tensor descriptors. Each (BM, BN) output
+tile also yields, per row, the max and the sum of exp(z - max) of its BN logits z (after temperature and
+softcap, from the values as stored). The CE kernel combines a row's tile partials into its log-sum-exp
+and then reads each logit once (1 read + 1 write of the logits instead of 2 + 1). On an H100 this GEMM
+also runs ~4% faster than cuBLAS at 4096 x 4096 x 128256 (benchmark/probes/logits_tma_gemm_probe.py),
+and the epilogue costs nothing measurable.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..options import LossOptions
+from .ce_triton import _logits, _sm_count
+
+
+class TileConfig(NamedTuple):
+    """GEMM tile (block_m x block_n, k-steps of block_k), pipeline stages, warps, grouped order width.
+    From benchmark/probes/logits_tma_gemm_probe.py on an H100 (session 6): 5.73 ms against cuBLAS 6.00 at
+    4096 x 4096 x 128256; 128 x 128 tiles and 256 x 128 were slower."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    stages: int = 3
+    warps: int = 8
+    group: int = 8
+
+
+TILE = TileConfig()
+# Fewest chunk rows for this path: below it the GEMM is a memory-bound pass over W that cuBLAS serves
+# well and the CE kernel's reads are few (small batches keep their launch-count-tuned path).
+MIN_ROWS = 256
+
+
+@triton.jit
+def _tile_coords(tile, grid_m, grid_n, GROUP: tl.constexpr):
+    """Grouped order: GROUP row tiles in a row use each W tile while it is in L2."""
+    width = GROUP * grid_n
+    first_m = (tile // width) * GROUP
+    size_m = min(grid_m - first_m, GROUP)
+    return first_m + (tile % width) % size_m, (tile % width) // size_m
+
+
+@triton.jit
+def _logits_stats_kernel(x_desc, w_desc, out_desc, bias_ptr, max_ptr, sum_ptr, M, N, K, inv_temp, softcap,
+                         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, GROUP: tl.constexpr, PROGRAMS: tl.constexpr):
+    grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    k_steps = tl.cdiv(K, BK)
+    # One program per SM walks the tiles; flatten lets the next tile's loads start during this epilogue.
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
+        m0, n0 = pid_m * BM, pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ks in range(k_steps):
+            a = x_desc.load([m0, ks * BK])
+            w = w_desc.load([n0, ks * BK])
+            acc = tl.dot(a, w.T, acc)
+        cols = n0 + tl.arange(0, BN)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(out_desc.dtype)
+        out_desc.store([m0, n0], out)
+        # Statistics of the stored (rounded) logits: the values the CE kernel will read back.
+        z = tl.where(cols[None, :] < N, _logits(out.to(tl.float32), inv_temp, softcap, HAS_SOFTCAP), float("-inf"))
+        row_max = tl.max(z, 1)
+        row_sum = tl.sum(tl.exp(z - row_max[:, None]), 1)
+        rows = m0 + tl.arange(0, BM)
+        stat = rows.to(tl.int64) * grid_n + pid_n
+        tl.store(max_ptr + stat, row_max, mask=rows < M)
+        tl.store(sum_ptr + stat, row_sum, mask=rows < M)
+
+
+def num_tiles(vocab: int) -> int:
+    """Tile partials per row: columns of the (rows, num_tiles) max and sum buffers."""
+    return triton.cdiv(vocab, TILE.block_n)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A tensor descriptor needs unit inner stride, 16-byte aligned outer strides and base address."""
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+# Tests set this to run the path under TRITON_INTERPRET=1 (fp16 only: the interpreter of triton 3.9
+# reads bf16 through tensor descriptors wrongly). Never for CPU users: it is slow there.
+ALLOW_INTERPRETER = False
+
+
+def _hopper(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return ALLOW_INTERPRETER and os.environ.get("TRITON_INTERPRET") == "1"
+    return _capability_major(device.index) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(device_index: int | None) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def supported(x_c: torch.Tensor, weight: torch.Tensor, vocab: int) -> bool:
+    """Whether this path can run the chunk (Hopper or newer, 16-bit floats, TMA-able layouts, enough
+    rows). The logits buffer must then have its rows 16-byte aligned too (vocab % 8 == 0)."""
+    return (
+        x_c.shape[0] >= MIN_ROWS
+        and x_c.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x_c.dtype
+        and vocab % 8 == 0
+        and _tma_ready(x_c)
+        and _tma_ready(weight)
+        and _hopper(x_c.device)
+    )
+
+
+def logits_with_tile_stats(
+    x_c: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    tile_max: torch.Tensor,
+    tile_sum: torch.Tensor,
+    opts: LossOptions,
+) -> None:
+    """out = x_c @ weight^T (+ bias), and per row and tile of ``block_n`` columns the max and sum of
+    exp(z - max) of the logits z after temperature and softcap.
+
+    Shapes: x_c (n, H), weight (V, H), bias (V,) or None, out (n, V) in x_c's dtype,
+    tile_max / tile_sum (n, num_tiles(V)) float32 contiguous. Check ``supported`` first.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, hidden = x_c.shape
+    vocab = weight.shape[0]
+    config = TILE  # read at call time: tests shrink it for the interpreter
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    programs = min(_sm_count(x_c.device.index), triton.cdiv(n, bm) * triton.cdiv(vocab, bn))
+    _logits_stats_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x_c, [bm, bk]),
+        TensorDescriptor.from_tensor(weight, [bn, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]),
+        bias if bias is not None else tile_max,
+        tile_max,
+        tile_sum,
+        n,
+        vocab,
+        hidden,
+        1.0 / opts.temperature,
+        float(opts.softcap or 1.0),
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=opts.softcap is not None,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        GROUP=config.group,
+        PROGRAMS=programs,
+        num_stages=config.stages,
+        num_warps=config.warps,
+    )

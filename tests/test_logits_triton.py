@@ -1,0 +1,152 @@
+"""The logits GEMM with tile statistics (kernels/logits_triton.py), and the CE kernel's one-read path
+that uses them, against float64 and against the two-pass kernel.
+
+On the CPU the GEMM runs under TRITON_INTERPRET=1 with small tiles and in float16 only: triton 3.9's
+interpreter reads bfloat16 through tensor descriptors wrongly. On a Hopper GPU it runs in bf16 too."""
+
+import pytest
+import torch
+from reference import TOL, rel_err, reference_loss
+from test_api import check
+
+import flce
+from flce.kernels import ce_chunk, triton_available
+from flce.options import LossOptions
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="triton cannot run here")
+
+lt = pytest.importorskip("flce.kernels.logits_triton")
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+DTYPES = [torch.float16, torch.bfloat16] if ON_HOPPER else [torch.float16]
+OPTIONS = [
+    LossOptions(),
+    LossOptions(label_smoothing=0.2, z_loss=1e-2),
+    LossOptions(softcap=4.0, temperature=1.3, ignore_index=3),
+]
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """Let the fused path run on these small shapes (and under the interpreter); count its calls."""
+    monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
+    monkeypatch.setattr(lt, "MIN_ROWS", 8)
+    if not ON_HOPPER:
+        monkeypatch.setattr(lt, "TILE", lt.TileConfig(32, 64, 16, 2, 4, 4))
+    calls = []
+    real = lt.logits_with_tile_stats
+    monkeypatch.setattr(lt, "logits_with_tile_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def tile_stats_of(logits: torch.Tensor, opts: LossOptions, block_n: int):
+    """Per-row, per-tile max and sum exp(z - max) of the logits after temperature and softcap (float64)."""
+    z = logits.double() / opts.temperature
+    if opts.softcap is not None:
+        z = opts.softcap * torch.tanh(z / opts.softcap)
+    n, vocab = z.shape
+    tiles = -(-vocab // block_n)
+    z = torch.nn.functional.pad(z, (0, tiles * block_n - vocab), value=float("-inf")).view(n, tiles, block_n)
+    tile_max = z.amax(2)
+    return tile_max, (z - tile_max[..., None]).exp().sum(2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("opts", OPTIONS)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_and_tile_stats_match_float64(fused, dtype, opts, with_bias):
+    n, hidden, vocab = 70, 48, 600  # partial row and column tiles
+    x = torch.randn(n, hidden, device=DEVICE).to(dtype)
+    w = (torch.randn(vocab, hidden, device=DEVICE) / hidden**0.5 * 3).to(dtype)
+    b = (torch.randn(vocab, device=DEVICE)).to(dtype) if with_bias else None
+    assert lt.supported(x, w, vocab)
+    out = torch.empty(n, vocab, dtype=dtype, device=DEVICE)
+    stats = torch.empty(2, n, lt.num_tiles(vocab), device=DEVICE)
+    lt.logits_with_tile_stats(x, w, b, out, stats[0], stats[1], opts)
+    want = x.double() @ w.double().t() + (b.double() if b is not None else 0.0)
+    assert rel_err(out, want) <= TOL[dtype] / 4
+    # The statistics are those of the stored logits, so the CE kernel's softmax sums to one over them.
+    want_max, want_sum = tile_stats_of(out, opts, lt.TILE.block_n)
+    assert torch.allclose(stats[0].double(), want_max, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(stats[1].double(), want_sum, rtol=1e-5)
+
+
+@pytest.mark.parametrize("opts", OPTIONS)
+@pytest.mark.parametrize("grad", [True, False])
+def test_ce_one_read_path_matches_two_passes(opts, grad):
+    """The CE kernel given tile statistics writes what its two-pass form writes (all outputs)."""
+    n, vocab, block_n = 9, 5000, 256  # several vocabulary blocks and tiles, a partial last tile
+    logits = (torch.randn(n, vocab, device=DEVICE) * 3).bfloat16()
+    target = torch.randint(0, vocab, (n,), device=DEVICE)
+    target[1] = opts.ignore_index
+    cw = torch.rand(vocab, device=DEVICE) + 0.5
+    tile_max, tile_sum = (t.float() for t in tile_stats_of(logits, opts, block_n))
+    scale = torch.rand(n, device=DEVICE) + 0.5 if grad else None  # per-row grad_output
+    for class_weight in (None, cw):
+        outs = []
+        for stats in (None, (tile_max, tile_sum)):
+            buf = logits.clone()
+            loss, lse, correct = (torch.full((n,), float("nan"), device=DEVICE) for _ in range(3))
+            ce_chunk("triton", buf, target, loss, lse, correct, class_weight,
+                     class_weight.sum() if class_weight is not None else None,
+                     scale, opts, tile_stats=stats)
+            outs.append((buf, loss, lse, correct))
+        for name, one, two in zip(("grad", "loss", "lse", "correct"), outs[1], outs[0]):
+            assert torch.allclose(one.float(), two.float(), rtol=1e-5, atol=1e-6), name
+        if not grad:
+            assert torch.equal(outs[1][0], logits)  # loss only: logits untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("chunk_size", [None, 24])
+def test_linear_cross_entropy_through_fused_gemm(fused, dtype, reduction, chunk_size):
+    """Every option at once, single and multi-chunk: the loss and all gradients against float64, and
+    the fused GEMM really ran (70 rows in chunks of 24: 3 calls; one chunk: 1)."""
+    check("triton", dtype, DEVICE, shape=(70,), hidden=48, vocab=600, reduction=reduction, chunk_size=chunk_size,
+          bias=True, weight_cls=True, ignore=0.25, label_smoothing=0.2, z_loss=1e-2, softcap=4.0,
+          temperature=1.3)
+    assert len(fused) == (3 if chunk_size else 1) * (2 if reduction == "none" else 1)
+
+
+def test_accuracy_stats_through_fused_gemm(fused):
+    x = torch.randn(40, 32, device=DEVICE).half()
+    w = (torch.randn(256, 32, device=DEVICE) / 32**0.5 * 3).half()
+    t = torch.randint(0, 256, (40,), device=DEVICE)
+    t[:10] = (x.float() @ w.float().t()).argmax(1)[:10]  # some right answers
+    _, stats = flce.linear_cross_entropy(x, w, t, return_stats=True, backend="triton")
+    want = ((x.double() @ w.double().t()).argmax(1) == t).double().mean()
+    assert len(fused) == 1 and stats.accuracy.item() == pytest.approx(want.item()) and want > 0
+
+
+def test_not_used_where_it_cannot_run(monkeypatch):
+    x, w = torch.randn(512, 64).half(), torch.randn(1000, 64).half()
+    assert not lt.supported(x, w, 1000)  # CPU without the interpreter opt-in
+    monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert lt.supported(x, w, 1000)
+    assert not lt.supported(x, w[:999], 999)  # logits rows not 16-byte aligned
+    assert not lt.supported(x.float(), w.float(), 1000)  # 16-bit floats only
+    assert not lt.supported(x[: lt.MIN_ROWS - 1], w, 1000)  # small batches keep cuBLAS
+    x63, w63 = torch.randn(512, 63).half(), torch.randn(1000, 63).half()
+    assert not lt.supported(x63, w63, 1000)  # rows of x and W not 16-byte aligned
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", OPTIONS)
+def test_gpu_bf16_real_shapes(opts):
+    """bf16 at a chunked size with a real vocabulary: the default path (no patching) on Hopper."""
+    if not ON_HOPPER:
+        pytest.skip("needs Hopper (TMA)")
+    n, hidden, vocab = 3000, 512, 32000
+    x = torch.randn(n, hidden, device=DEVICE).bfloat16().requires_grad_()
+    w = (torch.randn(vocab, hidden, device=DEVICE) / hidden**0.5 * 2).bfloat16().requires_grad_()
+    t = torch.randint(0, vocab, (n,), device=DEVICE)
+    kw = dict(label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap,
+              temperature=opts.temperature, ignore_index=opts.ignore_index)
+    loss = flce.linear_cross_entropy(x, w, t, chunk_size=1024, **kw)
+    ref, (x64, w64, _) = reference_loss(x, w, t, **kw)
+    loss.backward()
+    ref.backward()
+    assert rel_err(loss, ref) < 1e-3
+    assert rel_err(x.grad, x64.grad) < TOL[torch.bfloat16] and rel_err(w.grad, w64.grad) < TOL[torch.bfloat16]
