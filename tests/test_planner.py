@@ -33,6 +33,15 @@ def test_chunks_are_balanced():
     assert max(rows) - min(rows) <= ROW_ALIGN  # no tiny memory-bound last chunk
 
 
+@pytest.mark.parametrize("n", [31000, 32000, 32768, 20481, 13000, 65536])
+def test_whole_waves_never_leave_a_short_last_chunk(n):
+    """Chunks are rounded to 1024-row blocks only where no short, memory-bound last chunk results."""
+    plan = plan_chunks(n, 128256, torch.bfloat16, torch.bfloat16, weight_grad_hidden=4096)
+    total, rows = covered(plan)
+    assert total == n and min(rows) >= min(MIN_ROWS, max(rows) // 2)
+    assert plan.rows * 128256 * 2 <= 128256 * 4096 * 2 + DEFAULT_MEMORY_BUDGET
+
+
 def test_min_rows_keeps_grad_weight_gemm_compute_bound():
     plan = plan_chunks(65536, 1_000_000, torch.float32, torch.float32)
     assert plan.rows >= MIN_ROWS
@@ -78,10 +87,14 @@ def test_one_chunk_when_logits_fit_in_the_accumulator_it_saves():
     assert plan_chunks(8192, **llama3).num_chunks > 1
     assert plan_chunks(8192, **llama3, weight_grad_hidden=4096, accum_dtype=torch.bfloat16).num_chunks > 1
     assert plan_chunks(8192, 128256, torch.bfloat16, torch.float32, weight_grad_hidden=4096).num_chunks > 1
-    # Several chunks: the buffer may grow to the size of the bf16 weight gradient (4096 rows here).
+    # Several chunks: the buffer gets the budget on top of the bf16 weight gradient's size (6144 rows
+    # here, whole 1024-row blocks), so the peak grows by the budget alone.
     plan = plan_chunks(32768, **llama3, weight_grad_hidden=4096)
-    assert plan.accum_dtype == torch.float32 and plan.rows * 128256 * 2 == 128256 * 4096 * 2
-    assert plan_chunks(32768, **llama3, weight_grad_hidden=64).rows * 128256 * 2 <= DEFAULT_MEMORY_BUDGET
+    grad_bytes = 128256 * 4096 * 2
+    assert plan.accum_dtype == torch.float32 and plan.rows == 6144
+    assert grad_bytes < plan.rows * 128256 * 2 <= grad_bytes + DEFAULT_MEMORY_BUDGET
+    small_h = plan_chunks(32768, **llama3, weight_grad_hidden=64)
+    assert small_h.rows * 128256 * 2 <= 128256 * 64 * 2 + DEFAULT_MEMORY_BUDGET
     # A user's chunk size still wins.
     assert plan_chunks(8192, **llama3, weight_grad_hidden=4096, chunk_size=2048).num_chunks == 4
 
