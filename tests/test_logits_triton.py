@@ -59,7 +59,7 @@ def test_gemm_and_tile_stats_match_float64(fused, dtype, opts, with_bias):
     x = torch.randn(n, hidden, device=DEVICE).to(dtype)
     w = (torch.randn(vocab, hidden, device=DEVICE) / hidden**0.5 * 3).to(dtype)
     b = (torch.randn(vocab, device=DEVICE)).to(dtype) if with_bias else None
-    assert lt.supported(x, w, vocab)
+    assert lt.supported(x, w, b)
     out = torch.empty(n, vocab, dtype=dtype, device=DEVICE)
     stats = torch.empty(2, n, lt.num_tiles(vocab), device=DEVICE)
     lt.logits_with_tile_stats(x, w, b, out, stats[0], stats[1], opts)
@@ -120,16 +120,17 @@ def test_accuracy_stats_through_fused_gemm(fused):
 
 
 def test_not_used_where_it_cannot_run(monkeypatch):
-    x, w = torch.randn(512, 64).half(), torch.randn(1000, 64).half()
-    assert not lt.supported(x, w, 1000)  # CPU without the interpreter opt-in
+    x, w, b = torch.randn(512, 64).half(), torch.randn(1000, 64).half(), torch.randn(1000).half()
+    assert not lt.supported(x, w, None)  # CPU without the interpreter opt-in
     monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert lt.supported(x, w, 1000)
-    assert not lt.supported(x, w[:999], 999)  # logits rows not 16-byte aligned
-    assert not lt.supported(x.float(), w.float(), 1000)  # 16-bit floats only
-    assert not lt.supported(x[: lt.MIN_ROWS - 1], w, 1000)  # small batches keep cuBLAS
+    assert lt.supported(x, w, None) and lt.supported(x, w, b)
+    assert not lt.supported(x, w[:999], None)  # logits rows not 16-byte aligned
+    assert not lt.supported(x.float(), w.float(), None)  # 16-bit floats only
+    assert not lt.supported(x[: lt.MIN_ROWS - 1], w, None)  # small batches keep cuBLAS
+    assert not lt.supported(x, w, torch.randn(2000).half()[::2])  # a strided bias
     x63, w63 = torch.randn(512, 63).half(), torch.randn(1000, 63).half()
-    assert not lt.supported(x63, w63, 1000)  # rows of x and W not 16-byte aligned
+    assert not lt.supported(x63, w63, None)  # rows of x and W not 16-byte aligned
 
 
 @pytest.mark.gpu

@@ -1,8 +1,10 @@
 """Probe (session 6): could the logits GEMM itself produce the CE's first pass? A persistent Triton GEMM
 with TMA (logits = x_c @ W^T, bf16 out) whose epilogue also writes per-row (max, sum exp) of each
 (BM, BN) output tile, so that the CE kernel would read each logit once (1R+1W instead of 2R+1W: -2.9 ms
-at 32768 rows on an H100). Worth it only if this GEMM runs within ~1% of cuBLAS. GPU only (CPU: --small
-under TRITON_INTERPRET=1 checks the arithmetic):
+at 32768 rows on an H100). Worth it only if this GEMM runs within ~1% of cuBLAS. Result (H100,
+`results/2026-11-22-h100-s6/logits_tma_gemm_probe.txt`): cuBLAS 6.00 ms, 128 x 256 x 64 tiles with 3 stages
+and 8 warps 5.76 ms without and 5.73 with the statistics; 128 x 128 and 256 x 128 tiles were slower. This
+became kernels/logits_triton.py. GPU only (CPU: --small under TRITON_INTERPRET=1 checks the arithmetic):
 
     PYTHONPATH=src:benchmark python benchmark/probes/logits_tma_gemm_probe.py
 """
@@ -14,8 +16,9 @@ import statistics
 import torch
 import triton
 import triton.language as tl
-from lean_tma_gemm_probe import _tile_coords
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flce.kernels.logits_triton import _tile_coords
 
 
 @triton.jit
@@ -74,7 +77,7 @@ def main():
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     M, K, N = (64, 48, 200) if args.small else (4096, 4096, 128256)
-    dtype = torch.float16 if args.small else torch.bfloat16  # interpreter: see lean_tma_gemm_probe
+    dtype = torch.float16 if args.small else torch.bfloat16  # interpreter: see kernels/logits_triton.py
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(M, K, device=dev, generator=g).to(dtype)
     w = (torch.randn(N, K, device=dev, generator=g) * K**-0.5).to(dtype)

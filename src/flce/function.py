@@ -144,13 +144,14 @@ def chunk_loop(
     return parts, grads
 
 
-def chunk_logits(x_c, w, bias, out, opts: LossOptions, backend: str):
-    """A chunk's logits x_c @ w^T (+ bias), into ``out`` or a new tensor, and the CE kernel's tile
-    statistics when the fused Triton GEMM could compute them (``kernels.logits_triton``), else None."""
+def chunk_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,
+                 opts: LossOptions, backend: str) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """A chunk's logits x_c @ w^T (+ bias), (n, V), into ``out`` or a new tensor, and the CE kernel's
+    (n, T) tile statistics when the fused Triton GEMM could compute them (``kernels.logits_triton``)."""
     if backend == "triton":
         from .kernels import logits_triton
 
-        if logits_triton.supported(x_c, w, w.shape[0]):
+        if logits_triton.supported(x_c, w, bias):
             n, vocab = x_c.shape[0], w.shape[0]
             logits = torch.empty(n, vocab, dtype=x_c.dtype, device=x_c.device) if out is None else out
             stats = torch.empty(2, n, logits_triton.num_tiles(vocab), dtype=torch.float32, device=x_c.device)

@@ -1,7 +1,9 @@
 """The cross-entropy kernel: per row, loss and d loss / d logits, written over the logits in place.
 
 One program per row, two passes over the vocabulary in blocks: an online softmax (max, sum of
-exponentials, weighted sum of logits for smoothing, argmax for accuracy), then the gradient. All
+exponentials, weighted sum of logits for smoothing, argmax for accuracy), then the gradient. Given the
+logits GEMM's per-tile statistics (``logits_triton.py``, Hopper), one pass: the lse comes from them,
+and the gradient pass also gathers what the loss needs. All
 arithmetic is float32 whatever the storage dtype of the logits. Runs on CUDA, and on the CPU under
 ``TRITON_INTERPRET=1`` (how CI tests it).
 """

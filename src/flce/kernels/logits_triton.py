@@ -4,8 +4,8 @@ logits = x_c @ W^T (+ b) as a persistent Triton GEMM over TMA tensor descriptors
 tile also yields, per row, the max and the sum of exp(z - max) of its BN logits z (after temperature and
 softcap, from the values as stored). The CE kernel combines a row's tile partials into its log-sum-exp
 and then reads each logit once (1 read + 1 write of the logits instead of 2 + 1). On an H100 this GEMM
-also runs ~4% faster than cuBLAS at 4096 x 4096 x 128256 (benchmark/probes/logits_tma_gemm_probe.py),
-and the epilogue costs nothing measurable.
+runs 4% faster than cuBLAS at 4096 x 4096 x 128256 in isolation and ~2% under sustained load, and the
+epilogue costs nothing measurable (benchmark/probes/logits_tma_gemm_probe.py, benchmark/NOTES.md).
 """
 
 from __future__ import annotations
@@ -106,14 +106,15 @@ def _capability_major(device_index: int | None) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def supported(x_c: torch.Tensor, weight: torch.Tensor, vocab: int) -> bool:
-    """Whether this path can run the chunk (Hopper or newer, 16-bit floats, TMA-able layouts, enough
-    rows). The logits buffer must then have its rows 16-byte aligned too (vocab % 8 == 0)."""
+def supported(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether this path can run the chunk (Hopper or newer, 16-bit floats, TMA-able layouts, a unit-stride
+    bias, enough rows). The logits rows must then be 16-byte aligned too (V % 8 == 0)."""
     return (
         x_c.shape[0] >= MIN_ROWS
         and x_c.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x_c.dtype
-        and vocab % 8 == 0
+        and weight.shape[0] % 8 == 0
+        and (bias is None or bias.stride(0) == 1)
         and _tma_ready(x_c)
         and _tma_ready(weight)
         and _hopper(x_c.device)
