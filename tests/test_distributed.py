@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import queue
+import re
 import socket
 import traceback
 from datetime import timedelta
@@ -23,11 +24,7 @@ from reference import TOL, assert_close, reference_loss, rel_err
 from test_api import OPTION_SETS, make_case
 
 import flce
-from flce.distributed import (
-    ShardLayout,
-    linear_cross_entropy_dtensor,
-    vocab_parallel_linear_cross_entropy,
-)
+from flce.distributed import ShardLayout, vocab_parallel_linear_cross_entropy
 from flce.kernels import triton_available
 from flce.kernels.ce_vocab_parallel import STATS, shard_grad, shard_stats
 from flce.options import LossOptions
@@ -36,9 +33,11 @@ transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
 CPU = torch.device("cpu")
-# Float64 inputs: GEMMs in float64, the softmax in float32 as in the core, so errors sit near 1e-7.
-# Tight enough to catch any wrong term (those show up at 1e-2 and above).
+# Float64 inputs: float64 GEMMs and float64 softmax arithmetic (the torch twins), so the vocab-parallel
+# loss meets the float64 reference to float64 rounding (VP_F64_TOL). Paths through the one-device loss
+# (DTensor, patched models) are held to F64_TOL: tight enough to catch any wrong term (1e-2 and above).
 F64_TOL = 1e-6
+VP_F64_TOL = 1e-10
 
 
 # --- the process pool ---------------------------------------------------------------------------------
@@ -155,7 +154,8 @@ def vocab_parallel_case(rank, world, *, sizes, dtype=torch.float64, shape=(29,),
     for k in ("chunk_size", "accum_dtype", "validate_target", "shard_sizes"):
         opts.pop(k, None)
     ref, (x64, w64, b64) = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, reduction=reduction, **opts)
-    assert loss.shape == ref.shape and loss.dtype == torch.float32, (loss.shape, loss.dtype)
+    want_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert loss.shape == ref.shape and loss.dtype == want_dtype, (loss.shape, loss.dtype)
     grad_out = torch.randn(ref.shape, dtype=torch.float64).to(device)
     loss.backward(grad_out.to(loss.dtype))
     ref.backward(grad_out)
@@ -168,7 +168,7 @@ def vocab_parallel_case(rank, world, *, sizes, dtype=torch.float64, shape=(29,),
 
 
 def _assert_all_close(results, dtype, tol=None):
-    tol = tol or (F64_TOL if dtype == torch.float64 else TOL[dtype])
+    tol = tol or (VP_F64_TOL if dtype == torch.float64 else TOL[dtype])
     for rank, res in enumerate(results):
         assert res["dtypes"] == {str(dtype)}, f"rank {rank}: gradient dtypes {res['dtypes']}"
         for what, err in res["errs"].items():
@@ -223,7 +223,7 @@ def _no_grad_case(rank, world):
 
 def test_loss_alone_under_no_grad(cluster2):
     for rank, errs in enumerate(cluster2.run(_no_grad_case)):
-        assert max(errs) < F64_TOL, (rank, errs)
+        assert max(errs) < VP_F64_TOL, (rank, errs)
 
 
 def test_num_items_in_batch_and_sync_free_path(cluster2):
@@ -291,11 +291,11 @@ def _raises_case(rank, world, *, what):
     ("target_out_of_range", "outside"),
     ("target_differs", "target differs"),
     ("shard_sizes", "shard_sizes"),
-    ("class_weight_shape", "full vocabulary"),
+    ("class_weight_shape", r"weight \(class weights\) must be a floating tensor of shape \(10,\)"),
 ])
 def test_bad_input_raises_on_every_rank(cluster2, what, match):
     for rank, message in enumerate(cluster2.run(_raises_case, what=what)):
-        assert message is not None and match in message, (rank, message)
+        assert message is not None and re.search(match, message), (rank, message)
 
 
 def test_needs_a_process_group():
@@ -310,7 +310,7 @@ def test_layout():
 
 # --- DTensor ------------------------------------------------------------------------------------------
 
-def _dtensor_case(rank, world, *, vocab, shard, bias, entry):
+def _dtensor_case(rank, world, *, vocab, shard, bias):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -320,8 +320,7 @@ def _dtensor_case(rank, world, *, vocab, shard, bias, entry):
     placement = [Shard(0)] if shard else [Replicate()]
     w_d = distribute_tensor(w.detach(), mesh, placement).requires_grad_()
     b_d = distribute_tensor(b.detach(), mesh, placement).requires_grad_() if bias else None
-    fn = flce.linear_cross_entropy if entry == "api" else linear_cross_entropy_dtensor
-    loss = fn(x, w_d, t, linear_bias=b_d, weight=cw, label_smoothing=0.1, softcap=5.0)
+    loss = flce.linear_cross_entropy(x, w_d, t, linear_bias=b_d, weight=cw, label_smoothing=0.1, softcap=5.0)
     loss.backward()
     ref, (x64, w64, b64) = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, label_smoothing=0.1,
                                           softcap=5.0)
@@ -332,13 +331,12 @@ def _dtensor_case(rank, world, *, vocab, shard, bias, entry):
     return {"errs": errs, "grad_placements": str(w_d.grad.placements)}
 
 
-@pytest.mark.parametrize("entry", ["dtensor", "api"])
 @pytest.mark.parametrize("vocab,shard,bias", [(37, True, True), (40, True, False), (37, False, True)])
-def test_dtensor_weight(cluster3, vocab, shard, bias, entry):
-    """Shard(0) (torch.chunk's uneven split over 3 ranks) routes to the vocab-parallel path, Replicate to
-    the one-device path, from linear_cross_entropy_dtensor and from flce.linear_cross_entropy; the
-    weight's gradient keeps the weight's placements."""
-    for rank, res in enumerate(cluster3.run(_dtensor_case, vocab=vocab, shard=shard, bias=bias, entry=entry)):
+def test_dtensor_weight(cluster3, vocab, shard, bias):
+    """flce.linear_cross_entropy with a DTensor weight: Shard(0) (torch.chunk's uneven split over 3 ranks)
+    routes to the vocab-parallel path, Replicate to the one-device path; the weight's gradient keeps the
+    weight's placements."""
+    for rank, res in enumerate(cluster3.run(_dtensor_case, vocab=vocab, shard=shard, bias=bias)):
         assert max(res["errs"]) < F64_TOL, (rank, res)
         assert res["grad_placements"] == ("(Shard(dim=0),)" if shard else "(Replicate(),)")
 
@@ -350,7 +348,7 @@ def _dtensor_bias_mismatch(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     w_d = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])
     try:
-        linear_cross_entropy_dtensor(torch.randn(3, 4), w_d, torch.tensor([0, 1, 2]), linear_bias=torch.randn(6))
+        flce.linear_cross_entropy(torch.randn(3, 4), w_d, torch.tensor([0, 1, 2]), linear_bias=torch.randn(6))
     except ValueError as e:
         return str(e)
     return None
