@@ -356,7 +356,8 @@ class VocabParallelFunction(torch.autograd.Function):
         ctx.meta = (rows, classes, setup, (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
         ctx.entry = "flce.distributed.vocab_parallel_linear_cross_entropy"
         # reduction="none" keeps the inputs and the softmax, and recomputes logits in backward
-        return finish_forward(ctx, parts, grads, grad_scale, (x, weight, bias, parts.lse))
+        return finish_forward(ctx, parts, grads, grad_scale, (x, weight, bias, parts.lse),
+                              weight if weight.dtype == setup.compute_dtype else None)
 
     @staticmethod
     @not_twice_differentiable
@@ -367,8 +368,9 @@ class VocabParallelFunction(torch.autograd.Function):
             return None, None, None, None, None, None, None
         g = grad_loss.to(math_dtype(setup.compute_dtype))
         grads = take_grads(ctx)
+        saved = ctx.saved_tensors  # raises if the caller changed one in place since forward
         if grads is None:
-            x, weight, bias, lse = ctx.saved_tensors
+            x, weight, bias, lse = saved
             _, grads = _chunk_loop(x, weight, bias, rows, classes, setup, g.contiguous(),
                                    tuple(ctx.needs_input_grad[:3]), saved_lse=lse)
             g = None

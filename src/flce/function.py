@@ -13,8 +13,8 @@ reduction="none" the per-row grad_output is only known in backward, so there the
 
 Autograd's contracts: what backward reads of the caller's tensors (a single chunk's GEMM operands, or
 every input for reduction="none") goes through ``save_for_backward``, so an in-place change between
-forward and backward raises as in eager PyTorch; gradients computed in forward are those of the
-forward's values. The loss is differentiable once: under ``create_graph=True`` the gradients come back
+forward and backward raises as in eager PyTorch; so does one of the weight (see ``finish_forward``).
+Gradients computed in forward are those of the forward's values. The loss is differentiable once: under ``create_graph=True`` the gradients come back
 wired to raise if they are differentiated again (``first_order_only``), never a partial second derivative.
 The arithmetic of the loss is float32 (float64 for float64 logits: ``kernels.math_dtype``).
 """
@@ -226,10 +226,15 @@ _CONSUMED = (
 )
 
 
-def finish_forward(ctx, parts: LossParts, grads, grad_scale: torch.Tensor | None, saved: tuple):
+def finish_forward(ctx, parts: LossParts, grads, grad_scale: torch.Tensor | None, saved: tuple,
+                   weight_as_used: torch.Tensor | None):
     """The forward's tail every fused Function shares: hand the gradients to backward (mean/sum), or
     keep ``saved`` to recompute with the per-row grad_output (reduction='none'); package the outputs.
-    A single chunk's pending GEMM operands are saved (version-checked) for backward to read."""
+
+    What eager F.linear would save goes through ``save_for_backward`` (version-checked): a single
+    chunk's pending GEMM operands, which backward reads; else ``weight_as_used`` (the caller's weight
+    when the GEMMs used it without a cast, else None), whose gradient forward computed already, so
+    that an in-place change of it before backward raises as in eager (keeping it alive costs nothing)."""
     if grad_scale is None:
         ctx.save_for_backward(*saved)
         loss = parts.loss
@@ -237,6 +242,8 @@ def finish_forward(ctx, parts: LossParts, grads, grad_scale: torch.Tensor | None
         if isinstance(grads, PendingGrads):
             ctx.save_for_backward(grads.x, grads.w)
             grads = PendingGrads(grads.dlogits, None, None, grads.scale)
+        else:
+            ctx.save_for_backward(weight_as_used)
         ctx.grads = grads
         loss = parts.total if parts.total is not None else parts.loss.sum() * grad_scale
     # With stats and a reduction, the per-row losses too (the grouped loss reports each group's loss).
@@ -326,7 +333,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.meta = (loop, spec, needs, (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
         ctx.target_check = target_check
         ctx.entry = spec.entry
-        return finish_forward(ctx, parts, grads, grad_scale, (x, weight, bias, target, class_weight, weight_sum))
+        return finish_forward(ctx, parts, grads, grad_scale, (x, weight, bias, target, class_weight, weight_sum),
+                              weight if weight.dtype == spec.compute_dtype else None)
 
     @staticmethod
     @not_twice_differentiable
@@ -345,11 +353,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 def _input_grads(ctx, loop, spec: LoopSpec, needs, dtypes, g: torch.Tensor) -> list:
     """(input, weight, bias) gradients for grad_output g (0-d, or per row for reduction='none')."""
     grads = take_grads(ctx)
+    saved = ctx.saved_tensors  # raises if the caller changed one in place since forward
     if isinstance(grads, PendingGrads):
-        x_c, w = ctx.saved_tensors
-        grads = finish_pending(grads, x_c, w, g, needs, dtypes, spec.backend)
+        grads = finish_pending(grads, *saved, g, needs, dtypes, spec.backend)
         g = None
     elif grads is None:  # reduction="none": run the loop again with the per-row grad_output
-        _, grads = loop(*ctx.saved_tensors, g.contiguous(), needs, spec)
+        _, grads = loop(*saved, g.contiguous(), needs, spec)
         g = None
     return scale_grads(grads, g, dtypes, spec.backend)
