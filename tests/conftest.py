@@ -8,7 +8,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from hypothesis import HealthCheck, settings  # noqa: E402
+
 from flce.kernels import triton_available  # noqa: E402
+
+# Fuzzing budgets: "default" keeps the whole suite within minutes on two CPU cores (Triton under the
+# interpreter); HYPOTHESIS_PROFILE=thorough for a longer hunt. No deadline: the interpreter is slow.
+for _name, _examples in (("default", 30), ("thorough", 500)):
+    settings.register_profile(_name, max_examples=_examples, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BACKENDS = ["torch", "triton"] if triton_available(DEVICE) else ["torch"]

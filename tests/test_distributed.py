@@ -298,6 +298,152 @@ def test_bad_input_raises_on_every_rank(cluster2, what, match):
         assert message is not None and re.search(match, message), (rank, message)
 
 
+def _option_edges_case(rank, world):
+    """Every shared option edge (test_argument_edges.OPTION_CASES) and the vocab-parallel tensor edges:
+    (type name, message) per case, or None where nothing was raised."""
+    from test_argument_edges import OPTION_CASES
+
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(5, 8, requires_grad=True)
+    t = torch.randint(0, 10, (4,))
+    big = torch.tensor([1, 2, 3, 2**64 - 100], dtype=torch.uint64)
+    cases = [((x, w, t), {name: value}) for name, value, _, _ in OPTION_CASES] + [
+        ((x, w, t), {"reduction": "none", "num_items_in_batch": 3}),
+        ((x, w, t), {"weight": torch.rand(10, requires_grad=True)}),
+        ((x, w, t), {"weight": torch.ones(10, dtype=torch.int64)}),
+        ((x, w[:0], torch.full((4,), -100)), {"shard_sizes": (0, 0)}),  # an empty vocabulary on every rank
+        ((x, w, big), {}),
+        ((x.to("meta"), w.to("meta"), t.to("meta")), {}),
+        ((x.long(), w, t), {}),
+        ((x, w, t.float()), {}),
+    ]
+    out = []
+    for args, kw in cases:
+        try:
+            vocab_parallel_linear_cross_entropy(*args, **kw)
+        except (ValueError, TypeError) as e:
+            out.append((type(e).__name__, str(e)))
+        else:
+            out.append(None)
+    return out
+
+
+def test_option_and_tensor_edges_raise_on_every_rank(cluster2):
+    from test_argument_edges import OPTION_CASES
+
+    expected = [(exc.__name__, match) for _, _, exc, match in OPTION_CASES] + [
+        ("ValueError", "num_items_in_batch cannot be combined with reduction='none'"),
+        ("ValueError", r"weight \(class weights\) requires grad"),
+        ("TypeError", r"weight \(class weights\) must be a floating tensor of shape \(10,\), got dtype"),
+        ("ValueError", r"the vocabulary is empty"),
+        ("ValueError", r"\(first: 18446744073709551516\)"),
+        ("ValueError", "input is on the meta device"),
+        ("TypeError", "input must be a floating-point tensor"),
+        ("TypeError", "integer class indices"),
+    ]
+    for rank, got in enumerate(cluster2.run(_option_edges_case)):
+        for i, (want, message) in enumerate(zip(expected, got)):
+            assert message is not None and message[0] == want[0] and re.search(want[1], message[1]), \
+                (rank, i, want, message)
+
+
+def _unchecked_bad_target_case(rank, world, *, reduction, backend="torch", device=CPU):
+    """validate_target=False (sync-free, shard_sizes given): a target of V or -1 that is not
+    ignore_index has no shard; its row must come out NaN (loss and grad_input), the others finite."""
+    torch.manual_seed(3)
+    x = torch.randn(6, 8, device=device, requires_grad=True)
+    w = torch.randn(10, 8, device=device)
+    start, end = _bounds((6, 4) if world == 2 else (10,), rank)
+    w_shard = w[start:end].clone().requires_grad_()
+    t = torch.randint(0, 10, (6,), device=device)
+    t[1], t[4] = 10, -1
+    loss = vocab_parallel_linear_cross_entropy(x, w_shard, t, shard_sizes=(6, 4) if world == 2 else (10,),
+                                               validate_target=False, reduction=reduction, backend=backend)
+    loss.sum().backward()
+    loss, x.grad = loss.cpu(), x.grad.cpu()
+    bad = torch.zeros(6, dtype=torch.bool)
+    bad[[1, 4]] = True
+    rows_nan = loss.isnan() if reduction == "none" else None
+    return {"loss_nan": rows_nan.tolist() if rows_nan is not None else bool(loss.isnan()),
+            "grad_nan_rows": x.grad.isnan().all(1).tolist(), "grad_finite_rows": x.grad[~bad].isfinite().all().item(),
+            "want": bad.tolist()}
+
+
+def _assert_bad_rows_nan(results, reduction):
+    for rank, res in enumerate(results):
+        assert res["loss_nan"] == (res["want"] if reduction == "none" else True), (rank, res)
+        assert res["grad_nan_rows"] == res["want"] and res["grad_finite_rows"], (rank, res)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("backend", ["torch", "triton"] if triton_available(CPU) else ["torch"])
+def test_unchecked_bad_target_gives_nan_not_a_number(cluster2, reduction, backend):
+    """On the CPU's gloo ranks; "triton" runs the stage kernels under the interpreter there."""
+    _assert_bad_rows_nan(cluster2.run(_unchecked_bad_target_case, reduction=reduction, backend=backend), reduction)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpu_unchecked_bad_target_gives_nan(nccl_cluster, reduction):
+    _assert_bad_rows_nan(nccl_cluster.run(_unchecked_bad_target_case, reduction=reduction, backend="triton",
+                                          device=torch.device("cuda")), reduction)
+
+
+def _contract_case(rank, world):
+    """Autograd's contracts on the vocab-parallel Function: an in-place change of the weight shard before
+    backward raises, a second derivative raises clearly, an undefined grad_output is a zero gradient,
+    and a one-element num_items_in_batch tensor of shape (1,) is a count."""
+    torch.manual_seed(4)
+    x = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(10, 8)
+    start, end = _bounds((6, 4), rank)
+    shard = w[start:end].clone().requires_grad_()
+    t = torch.randint(0, 10, (6,))
+    out = {}
+    loss = vocab_parallel_linear_cross_entropy(x, shard, t)
+    with torch.no_grad():
+        shard.mul_(2.0)
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        out["inplace"] = str(e)
+    with torch.no_grad():
+        shard.div_(2.0)
+    gx, = torch.autograd.grad(vocab_parallel_linear_cross_entropy(x, shard, t), x, create_graph=True)
+    ref, (x64, _, _) = reference_loss(x, w, t)
+    out["first_derivative_err"] = rel_err(gx, torch.autograd.grad(ref, x64)[0])
+    try:
+        gx.square().sum().backward()
+    except RuntimeError as e:
+        out["twice"] = str(e)
+
+    class DropGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None
+
+    x.grad = None
+    (DropGrad.apply(vocab_parallel_linear_cross_entropy(x, shard, t)) + x.sum() * 0).backward()
+    out["undefined_zero"] = bool(torch.all(x.grad == 0))
+    loss = vocab_parallel_linear_cross_entropy(x, shard, t, num_items_in_batch=torch.tensor([4.0]), reduction="sum")
+    out["num_items_err"] = rel_err(loss, reference_loss(x, w, t, num_items_in_batch=4)[0])
+    out["num_items_shape"] = tuple(loss.shape)
+    return out
+
+
+def test_autograd_contract_vocab_parallel(cluster2):
+    for rank, res in enumerate(cluster2.run(_contract_case)):
+        assert "modified by an inplace operation" in res.get("inplace", ""), (rank, res)
+        assert "vocab_parallel_linear_cross_entropy is not twice differentiable" in res.get("twice", ""), (rank, res)
+        assert res["first_derivative_err"] < 1e-5 and res["undefined_zero"], (rank, res)
+        assert res["num_items_err"] < 1e-5 and res["num_items_shape"] == (), (rank, res)
+
+
 def test_needs_a_process_group():
     with pytest.raises(RuntimeError, match="process group"):
         vocab_parallel_linear_cross_entropy(torch.randn(2, 4), torch.randn(3, 4), torch.tensor([0, 1]))

@@ -210,10 +210,10 @@ class LinearCrossEntropyLoss(nn.Module):
                                     **self.options)
 
     def extra_repr(self) -> str:
-        shown = dict(self.options)
+        shown = [f"{k}={v!r}" for k, v in self.options.items()]
         if self.weight is not None:
-            shown["weight"] = f"<class weights {tuple(self.weight.shape)}>"
-        return ", ".join(f"{k}={v!r}" if k != "weight" else f"{k}={v}" for k, v in shown.items())
+            shown.insert(0, f"weight=<class weights {tuple(self.weight.shape)}>")
+        return ", ".join(shown)
 
 
 def _kernel_finishes_mean(plan: ChunkPlan | None, grad: bool, reduction: str, class_w, num_items, acc) -> bool:

@@ -47,6 +47,8 @@ def grouped_linear(
         Under autocast it has the autocast dtype, like ``F.linear``.
     """
     _check(input, weight, bias)
+    if type(group_major) is not bool:
+        raise TypeError(f"group_major must be True or False, got {group_major!r}")
     groups = weight.shape[0]
     x3 = _as_3d(input, groups, group_major)
     dtype = compute_dtype(input, weight, bias, names=("input", "weight", "bias"))
@@ -68,6 +70,8 @@ class GroupedLinear(nn.Module):
                             ("out_features", out_features)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if type(group_major) is not bool:
+            raise TypeError(f"group_major must be True or False, got {group_major!r}")
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         self.group_major = group_major
         factory = {"device": device, "dtype": dtype}

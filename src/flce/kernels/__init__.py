@@ -87,10 +87,11 @@ def ce_chunk(
     Args:
         logits: (n, V), rows contiguous; overwritten with grad_scale * d loss / d logits when
             ``grad_scale`` is given (exact zeros on ignored rows).
-        target: (n,) int64. loss, lse: (n,) float32 outputs (0 on ignored rows).
-        correct: (n,) float32 output, 1 where argmax == target, or None to skip.
-        class_weight: (V,) or None; weight_sum: 0-d sum of class_weight (float32) or None.
-        grad_scale: None (loss only), a 0-d scale, or (n,) per-row scales; all float32.
+        target: (n,) int64. loss, lse: (n,) outputs in the math dtype (``math_dtype``: float32, float64
+            for float64 logits, which only the torch twin takes), 0 on ignored rows.
+        correct: (n,) output in the math dtype, 1 where argmax == target, or None to skip.
+        class_weight: (V,) or None; weight_sum: 0-d sum of class_weight or None.
+        grad_scale: None (loss only), a 0-d scale, or (n,) per-row scales; all in the math dtype.
         counts: None, or (3,) int64 zeros when the chunk holds all rows of a mean (the small-batch
             path): then the kernel also counts [targets that are not ignore_index, those outside
             [0, V), -] into it, writes grad_scale = 1 / max(valid, 1) and ``total`` (0-d float32) =
@@ -102,6 +103,7 @@ def ce_chunk(
     if backend == "triton":
         from .ce_triton import ce_chunk_triton
 
+        assert logits.dtype != torch.float64, "float64 takes the torch twin (resolve_backend)"
         ce_chunk_triton(logits, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts, counts,
                         total, tile_stats)
     else:
