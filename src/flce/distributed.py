@@ -128,9 +128,11 @@ def vocab_parallel_linear_cross_entropy(
         shard_sizes: every rank's V_r, if known (skips learning it with an all-gather).
         linear_bias: (V_r,) this rank's slice of the bias, or None.
         weight: (V,) class weights over the full vocabulary, the same on every rank, or None.
-        Other options: as in ``flce.linear_cross_entropy``. ``return_stats``' accuracy counts a tie
-        for the top logit as a hit. ``validate_target`` also checks that the shard sizes agree and
-        that the target is the same on every rank (a weight sharded by FSDP must be unsharded first).
+        Other options: as in ``flce.linear_cross_entropy`` (float64 inputs: float64 arithmetic;
+        differentiable once). ``return_stats``' accuracy counts a tie for the top logit as a hit.
+        ``validate_target`` also checks that the shard sizes agree and that the target is the same on
+        every rank (a weight sharded by FSDP must be unsharded first); with False, a target outside
+        [0, V) gives its row a NaN loss and gradient, as in the one-device loss.
 
     Host syncs: one to learn the layout (skipped with ``shard_sizes`` and validate_target=False, the
     sync-free setting), one for validation, as in the single-GPU function.
