@@ -96,6 +96,18 @@ def chunked_reference_grads(x, weight, target, chunk=1024):
     return total / n, grad_x, grad_w
 
 
+class DropGrad(torch.autograd.Function):
+    """Identity whose backward returns None: the tensor before it gets an undefined (None) gradient."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
 def twin_computes_in_float64() -> bool:
     """Whether the torch twin of the CE kernel does float64 arithmetic for float64 logits (the math
     dtype contract); float32 arithmetic would put ~1e-8 in a loss that float64 gets to ~1e-16."""

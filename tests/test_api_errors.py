@@ -3,16 +3,14 @@ NaN rows when unchecked. Every other argument edge: test_argument_edges.py."""
 
 import pytest
 import torch
+from test_argument_edges import core_args
 
 import flce
 
 
 @pytest.fixture
 def args():
-    x = torch.randn(6, 8, requires_grad=True)
-    w = torch.randn(20, 8, requires_grad=True)
-    t = torch.randint(0, 20, (6,))
-    return x, w, t
+    return core_args()
 
 
 def test_unchecked_targets_skip_the_check(args):

@@ -67,20 +67,30 @@ OPTION_CASES = [
 OPTION_IDS = [f"{name}={value!r}"[:40] for name, value, _, _ in OPTION_CASES]
 
 
-@pytest.fixture
-def core():
+def core_args():
+    """x (6, 8), w (20, 8), t (6,): fresh random inputs of the core loss."""
     x = torch.randn(6, 8, requires_grad=True)
     w = torch.randn(20, 8, requires_grad=True)
     t = torch.randint(0, 20, (6,))
     return x, w, t
 
 
-@pytest.fixture
-def grouped():
+def grouped_args():
+    """x (5, 3, 8), w (3, 20, 8), t (5, 3): fresh random inputs of the grouped loss."""
     x = torch.randn(5, 3, 8, requires_grad=True)
     w = torch.randn(3, 20, 8, requires_grad=True)
     t = torch.randint(0, 20, (5, 3))
     return x, w, t
+
+
+@pytest.fixture
+def core():
+    return core_args()
+
+
+@pytest.fixture
+def grouped():
+    return grouped_args()
 
 
 @pytest.mark.parametrize("name,value,exc,match", OPTION_CASES, ids=OPTION_IDS)
@@ -141,7 +151,17 @@ def test_module_class_weights_are_a_buffer(core):
     assert_close(mod(x, w, t), ref, 1e-5)
 
 
-# (case, build(x, w, t) -> (args, kwargs), exception, message) for the tensors of the core.
+# (case, build(x, w, t) -> (args, kwargs), exception, message): cases of both losses (the core's and the
+# grouped loss's tensors: x (6, 8) or (5, 3, 8), w (20, 8) or (3, 20, 8), t (6,) or (5, 3)).
+SHARED_TENSOR_CASES = {
+    "integer class weights": (lambda x, w, t: ((x, w, t), {"weight": torch.ones(20, dtype=torch.int64)}), TypeError,
+                              r"weight \(class weights\) must be a floating tensor .* got dtype torch.int64"),
+    "meta tensors": (lambda x, w, t: ((x.to("meta"), w.to("meta"), t.to("meta")), {}), ValueError,
+                     "input is on the meta device"),
+    "devices": (lambda x, w, t: ((x, w.to("meta"), t), {}), ValueError,
+                "all tensors must be on one device, got input on cpu, linear_weight on meta"),
+}
+# The core's own.
 TENSOR_CASES = {
     "input not a tensor": (lambda x, w, t: ((x.tolist(), w, t), {}), TypeError, "input must be a torch.Tensor"),
     "integer input": (lambda x, w, t: ((x.long(), w, t), {}), TypeError, "input must be a floating-point"),
@@ -175,23 +195,10 @@ TENSOR_CASES = {
                    "linear_bias torch.float64"),
     "class weights list": (lambda x, w, t: ((x, w, t), {"weight": [1.0] * 20}), TypeError,
                            r"weight \(class weights\) must be a floating tensor of shape \(20,\) or None"),
-    "integer class weights": (lambda x, w, t: ((x, w, t), {"weight": torch.ones(20, dtype=torch.int64)}), TypeError,
-                              r"weight \(class weights\) must be a floating tensor .* got dtype torch.int64"),
     "class weights shape": (lambda x, w, t: ((x, w, t), {"weight": torch.ones(20, 1)}), ValueError,
                             r"got shape \(20, 1\)"),
-    "meta tensors": (lambda x, w, t: ((x.to("meta"), w.to("meta"), t.to("meta")), {}), ValueError,
-                     "input is on the meta device"),
-    "devices": (lambda x, w, t: ((x, w.to("meta"), t), {}), ValueError,
-                "all tensors must be on one device, got input on cpu, linear_weight on meta"),
+    **SHARED_TENSOR_CASES,
 }
-
-
-@pytest.mark.parametrize("case", list(TENSOR_CASES))
-def test_core_tensors(core, case):
-    build, exc, match = TENSOR_CASES[case]
-    args, kw = build(*core)
-    with pytest.raises(exc, match=match):
-        flce.linear_cross_entropy(*args, **kw)
 
 
 def _uint64_grouped(t):
@@ -220,22 +227,23 @@ GROUPED_TENSOR_CASES = {
                    r"linear_bias must be \(3, 20\), got \(20,\)"),
     "integer bias": (lambda x, w, t: ((x, w, t), {"linear_bias": torch.zeros(3, 20, dtype=torch.int64)}), TypeError,
                      r"linear_bias must be a floating tensor of shape \(3, 20\)"),
-    "integer class weights": (lambda x, w, t: ((x, w, t), {"weight": torch.ones(20, dtype=torch.int64)}), TypeError,
-                              r"weight \(class weights\) must be a floating tensor .* got dtype torch.int64"),
     "class weights shape": (lambda x, w, t: ((x, w, t), {"weight": torch.ones(3, 20)}), ValueError,
                             r"weight \(class weights\) must be a floating tensor of shape \(20,\)"),
-    "meta tensors": (lambda x, w, t: ((x.to("meta"), w.to("meta"), t.to("meta")), {}), ValueError,
-                     "input is on the meta device"),
-    "devices": (lambda x, w, t: ((x, w.to("meta"), t), {}), ValueError, "all tensors must be on one device"),
+    **SHARED_TENSOR_CASES,
 }
 
 
-@pytest.mark.parametrize("case", list(GROUPED_TENSOR_CASES))
-def test_grouped_tensors(grouped, case):
-    build, exc, match = GROUPED_TENSOR_CASES[case]
-    args, kw = build(*grouped)
+TENSOR_TABLES = {"linear_cross_entropy": (TENSOR_CASES, core_args),
+                 "grouped_linear_cross_entropy": (GROUPED_TENSOR_CASES, grouped_args)}
+
+
+@pytest.mark.parametrize("fn,case", [(fn, case) for fn, (table, _) in TENSOR_TABLES.items() for case in table])
+def test_tensor_edges(fn, case):
+    table, make_args = TENSOR_TABLES[fn]
+    build, exc, match = table[case]
+    args, kw = build(*make_args())
     with pytest.raises(exc, match=match):
-        flce.grouped_linear_cross_entropy(*args, **kw)
+        getattr(flce, fn)(*args, **kw)
 
 
 def test_grouped_specific_options(grouped):

@@ -17,7 +17,7 @@ The same functions run on the CPU (the Triton kernels under TRITON_INTERPRET=1) 
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import assert_close, needs_float64_twin, reference_loss
+from reference import DropGrad, assert_close, needs_float64_twin, reference_loss
 
 import flce
 
@@ -204,18 +204,6 @@ def test_grouped_linear_under_autocast_refuses_a_second_derivative(device):
 
 
 # --- undefined grad_output ----------------------------------------------------------------------------
-
-class DropGrad(torch.autograd.Function):
-    """Identity whose backward returns None: the tensor before it gets an undefined gradient."""
-
-    @staticmethod
-    def forward(ctx, a):
-        return a.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None
-
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_undefined_grad_output_is_a_zero_gradient(backend, device, reduction):
