@@ -39,11 +39,13 @@ def test_import_flce_leaves_transformers_accelerate_dynamo_and_triton_out():
     assert out.strip() == "[]"
 
 
-def test_public_patch_names_load_on_first_use():
+def test_public_patch_names_and_submodules_load_on_first_use():
+    from flce import distributed, patches
     from flce.patches import apply_flce_patch, remove_flce_patch
 
     assert flce.apply_flce_patch is apply_flce_patch and flce.remove_flce_patch is remove_flce_patch
-    assert {"apply_flce_patch", "remove_flce_patch"} <= set(dir(flce))
+    assert flce.patches is patches and flce.distributed is distributed
+    assert {"apply_flce_patch", "remove_flce_patch", "patches", "distributed"} <= set(dir(flce))
     with pytest.raises(AttributeError, match="no_such_name"):
         flce.no_such_name  # noqa: B018
 

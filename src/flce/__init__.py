@@ -3,6 +3,8 @@
 ``import flce`` needs torch only; the Hugging Face patches (``flce[hf]``) load on first use.
 """
 
+import importlib
+
 from .api import LinearCrossEntropyLoss, LossStats, linear_cross_entropy
 from .experts import experts_forward
 from .grouped import GroupedLinear, grouped_linear
@@ -11,6 +13,7 @@ from .options import LossOptions
 from .planner import ChunkPlan, plan_chunks
 
 _FROM_PATCHES = ("apply_flce_patch", "remove_flce_patch")
+_SUBMODULES = ("distributed", "patches")  # loaded on first use: flce.patches needs flce[hf] to patch
 
 __all__ = [
     "ChunkPlan",
@@ -30,12 +33,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     if name in _FROM_PATCHES:
-        from . import patches
-
-        return getattr(patches, name)
+        return getattr(importlib.import_module(".patches", __name__), name)
     raise AttributeError(f"module 'flce' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))

@@ -15,7 +15,7 @@ import threading
 from types import ModuleType
 from typing import Any, Callable, TypeVar
 
-F = TypeVar("F", bound=Callable[..., Any])
+Fn = TypeVar("Fn", bound=Callable[..., Any])
 
 _pending: dict[str, list[Callable[[ModuleType], None]]] = {}
 _lock = threading.RLock()
@@ -33,7 +33,7 @@ def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
     callback(module)
 
 
-def compile_disabled(fn: F) -> F:
+def compile_disabled(fn: Fn) -> Fn:
     """``torch.compiler.disable(fn)`` from the moment ``torch._dynamo`` is imported (torch.compile
     imports it); plain ``fn`` before, when nothing compiles. Under torch.compile a call is one graph
     break and runs ``fn`` eagerly."""
