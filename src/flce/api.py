@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .function import LinearCrossEntropyFunction, LoopSpec, chunk_loop
+from .import_hooks import compile_disabled
 from .kernels import resolve_backend
 from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
@@ -53,7 +54,7 @@ class LossStats:
     num_valid: torch.Tensor
 
 
-@torch.compiler.disable  # data-dependent control flow and Triton launches: one graph break, exact result
+@compile_disabled  # data-dependent control flow and Triton launches: one graph break, exact result
 def linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,

@@ -26,6 +26,7 @@ from .api import (
 )
 from .function import ChunkGrads, LossParts, finish_forward, scale_grads, take_grads
 from .gemm import mm_into
+from .import_hooks import compile_disabled
 from .kernels import resolve_backend
 from .kernels.ce_vocab_parallel import ROW_MAX, STATS, SUM_EXP, SUM_LOGITS, TARGET_LOGIT, shard_grad, shard_stats
 from .kernels.targets import count_targets
@@ -93,7 +94,7 @@ class _Classes:
     total: torch.Tensor | float
 
 
-@torch.compiler.disable  # collectives and data-dependent control flow: one graph break, exact result
+@compile_disabled  # collectives and data-dependent control flow: one graph break, exact result
 def vocab_parallel_linear_cross_entropy(
     input: torch.Tensor,
     linear_weight_shard: torch.Tensor,
