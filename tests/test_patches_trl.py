@@ -14,7 +14,8 @@ trl = pytest.importorskip("trl", reason="TRL is not installed (pip install flce[
 import datasets  # noqa: E402  (comes with TRL)
 import transformers  # noqa: E402
 from hf_tiny import patched, tiny_batch, tiny_model  # noqa: E402
-from reference import TOL, assert_close  # noqa: E402
+from reference import TOL, assert_close, rel_err  # noqa: E402
+from test_log_probs import chunked_reference  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from trl.kernels import chunked_logprob  # noqa: E402
 
@@ -208,6 +209,41 @@ def test_adapter_matches_trl_kernel(options, bias):
             assert_close(a, e, TOL[torch.float32], name)
 
 
+def adapter_as_precise_as_trl(device, n, hidden, vocab):
+    """bf16: TrlHeadOnFlce's fields agree with TRL's kernel's, and its gradients of a GRPO-like loss are as
+    close to float64 as TRL's."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(n, hidden, device=device, generator=g).bfloat16()
+    w = (torch.randn(vocab, hidden, device=device, generator=g) * 2 * hidden**-0.5).bfloat16()
+    t = torch.randint(0, vocab, (n,), device=device, generator=g)
+    g_lp, g_ent = (torch.randn(n, device=device, generator=g, dtype=torch.float64) for _ in range(2))
+    results = {}
+    for name, fn in (("trl", chunked_logprob.ChunkedLogProbFunction), ("flce", flce_trl.TrlHeadOnFlce)):
+        xl, wl = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        out = fn.apply(xl, wl, None, t, 1.0, 32768, None, 1.0, flce.TokenStats._fields)
+        (out[0] * g_lp.float() + out[1] * g_ent.float()).sum().backward()
+        results[name] = (out, (xl.grad, wl.grad))
+    _, reference = chunked_reference(x.requires_grad_(), w.requires_grad_(), t, None, g_lp, g_ent)
+    (trl_out, trl_grads), (out, grads) = results["trl"], results["flce"]
+    for name, a, e in zip(flce.TokenStats._fields, out, trl_out):
+        if name == "is_top1":
+            assert (a == e).float().mean() > 0.99, name  # near-ties may round differently
+        else:
+            assert_close(a, e, TOL[torch.bfloat16], name)
+    for name, a, e, ref in zip(("grad_hidden", "grad_weight"), grads, trl_grads, reference):
+        err, trl_err, floor = rel_err(a, ref), rel_err(e, ref), rel_err(ref.to(torch.bfloat16), ref)
+        assert err <= 1.1 * trl_err + 0.1 * floor, f"{name}: {err:.3g}, TRL {trl_err:.3g}"
+
+
+def test_adapter_as_precise_as_trl_small():
+    adapter_as_precise_as_trl(torch.device("cpu"), 200, 64, 700)
+
+
+@pytest.mark.gpu
+def test_gpu_adapter_as_precise_as_trl():
+    adapter_as_precise_as_trl(torch.device("cuda"), 4096, 2048, 32000)
+
+
 def test_adapter_fields_not_asked_are_none():
     x, w, t = torch.randn(5, 8), torch.randn(30, 8), torch.randint(0, 30, (5,))
     out = flce_trl.TrlHeadOnFlce.apply(x, w, None, t, 1.0, 32, None, 1.0, ("log_probs", "is_top1"))
@@ -270,3 +306,23 @@ def test_old_trl_sft_loss_calls_pass_through():
         loss, predictions = OldTrainer().compute_loss(model, batch)
         assert model(**batch).logits is None  # outside it, the loss is fused
     assert predictions.shape == (3, 10) and math.isclose(loss.item(), want.item(), rel_tol=1e-6)
+
+
+def test_trl_head_benchmark_cpu_smoke(tmp_path):
+    """benchmark/trl_head.py runs end to end (tiny shape, CPU) and its two methods agree."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+    import trl_head
+
+    assert trl_head.main(["--out", str(tmp_path), "--shapes", "40x16x70", "--reps", "1", "--warmup", "0"]) == 0
+    rows = json.loads((tmp_path / "trl_head.json").read_text())["rows"]
+    assert {(r["loss"], r["method"]) for r in rows} == {(k, m) for k in ("sft", "grpo")
+                                                       for m in ("floor", "trl", "flce")}
+    for r in rows:
+        assert r["status"] == "ok" and r["median_ms"] > 0, r
+        if r["method"] != "floor":
+            assert r["grad_w_vs_other"] < 1e-2 and r["grad_w_vs_fp32"] < 2 * r["rounding_w"] + 1e-3, r
+    assert "| flce |" in (tmp_path / "trl_head.md").read_text()
