@@ -6,7 +6,8 @@ import torch
 from reference import TOL, assert_close, rel_err
 
 import flce
-from flce.kernels import token_stats_triton
+from flce import log_probs
+from flce.kernels import token_stats, token_stats_triton
 
 FIELDS = flce.TokenStats._fields
 
@@ -227,6 +228,89 @@ def test_double_backward_refused(backend):
     (gx,) = torch.autograd.grad(got.log_probs.sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="does not require grad|differentiate twice"):
         gx.sum().backward()
+
+
+class GradKernelSpy:
+    """Counts calls of the gradient kernel (one per chunk that computes gradients)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        inner = token_stats.row_grad
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(token_stats, "row_grad", counting)
+        monkeypatch.setattr(log_probs._Speculation, "_kinds", {})  # no guesses carried over from other tests
+
+    def take(self) -> int:
+        calls, self.calls = self.calls, 0
+        return calls
+
+
+def speculation_step(spy, backend, case, g_lp, g_ent=None, retain=False, **opts):
+    """One forward and backward of sum(g_lp * log_probs + g_ent * entropy); returns the gradient kernel's
+    calls in forward and in backward, after checking the gradients against float64."""
+    x, w, b, t = (None if a is None else a.detach().requires_grad_(a.requires_grad) for a in case)
+    out = flce.linear_log_probs(x, w, t, linear_bias=b, backend=backend, chunk_size=8, **opts)
+    in_forward = spy.take()
+    loss = (out.log_probs * g_lp).sum() + (0 if g_ent is None else (out.entropy * g_ent).sum())
+    loss.backward(retain_graph=retain)
+    in_backward = spy.take()
+    want, (x64, w64, b64), _ = reference_stats(x, w, t, b)
+    ((want.log_probs * g_lp.double()).sum() + (0 if g_ent is None else (want.entropy * g_ent.double()).sum())).backward()
+    for got, ref in ((x.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
+        assert_close(got, ref, TOL[torch.float32], "gradient")
+    if retain:  # a second backward through the same graph recomputes: the guessed gradients are used once
+        for leaf in (x, w, b):
+            leaf.grad = None
+        loss.backward()
+        assert spy.take() == 3
+        for got, ref in ((x.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
+            assert_close(got, ref, TOL[torch.float32], "second gradient")
+    return in_forward, in_backward
+
+
+def test_speculation_follows_the_last_backward(backend, monkeypatch):
+    """After a backward with a uniform log-prob grad_output (an SFT loss), forward computes the gradients
+    itself and backward only scales them; any other grad_output is still exact, by recomputing."""
+    spy = GradKernelSpy(monkeypatch)
+    case = make((20,), 12, 50, torch.float32, bias=True)  # 3 chunks of 8 rows
+    uniform, other = torch.full((20,), -1 / 20), torch.randn(20)
+    assert speculation_step(spy, backend, case, uniform) == (0, 3)  # nothing known yet: recomputed
+    assert speculation_step(spy, backend, case, uniform) == (3, 0)  # guessed in forward, scaled in backward
+    assert speculation_step(spy, backend, case, other) == (3, 3)  # a wrong guess: recomputed, still exact
+    assert speculation_step(spy, backend, case, uniform) == (0, 3)
+    assert speculation_step(spy, backend, case, uniform, g_ent=other) == (3, 3)  # an entropy gradient too
+    assert speculation_step(spy, backend, case, 2 * uniform) == (0, 3)
+    assert speculation_step(spy, backend, case, 2 * uniform, retain=True) == (3, 0)
+    assert speculation_step(spy, backend, case, uniform, validate_target=False) == (0, 3)  # sync-free: no guess
+
+
+def test_speculation_holds_one_guess_at_a_time(backend, monkeypatch):
+    spy = GradKernelSpy(monkeypatch)
+    x, w, _, t = make((20,), 12, 50, torch.float32)
+    flce.linear_log_probs(x, w, t, backend=backend).log_probs.mean().backward()
+    spy.take()
+    first = flce.linear_log_probs(x, w, t, backend=backend)
+    second = flce.linear_log_probs(x, w, t, backend=backend)
+    assert spy.take() == 1  # the second forward does not hold a second (V, H) gradient
+    (first.log_probs.mean() + second.log_probs.mean()).backward()
+    del first
+    third = flce.linear_log_probs(x, w, t, backend=backend)
+    assert spy.take() == 2 and third.log_probs.requires_grad  # the second's recompute, then a new guess
+
+
+def test_in_place_change_after_a_guessing_forward_raises(backend, monkeypatch):
+    GradKernelSpy(monkeypatch)
+    x, w, _, t = make((5,), 8, 20, torch.float32)
+    h = x * 1.0
+    flce.linear_log_probs(h, w, t, backend=backend).log_probs.mean().backward()
+    got = flce.linear_log_probs(h, w, t, backend=backend)
+    h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        got.log_probs.mean().backward()
 
 
 ERRORS = {

@@ -69,31 +69,32 @@ COMMON = dict(max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2, lo
               use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0)
 
 
-def build_trainer(kind, model, tmp_path):
+def build_trainer(kind, model, tmp_path, **overrides):
     tokenizer = tiny_tokenizer()
+    common = {**COMMON, **overrides}
     if kind.startswith("sft"):
         args = trl.SFTConfig(output_dir=str(tmp_path), max_length=16, assistant_only_loss=kind == "sft_assistant",
-                             **COMMON)
+                             **common)
         return trl.SFTTrainer(model=model, args=args, train_dataset=dataset(kind), processing_class=tokenizer)
     if kind == "dpo":
-        args = trl.DPOConfig(output_dir=str(tmp_path), max_length=16, beta=0.5, **COMMON)
+        args = trl.DPOConfig(output_dir=str(tmp_path), max_length=16, beta=0.5, **common)
         return trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=dataset(kind),
                               processing_class=tokenizer)
     # GRPO: per-token advantages and an entropy bonus give log_probs and entropy per-token gradients
     args = trl.GRPOConfig(output_dir=str(tmp_path), num_generations=2, max_completion_length=4, temperature=0.7,
-                          entropy_coef=0.05, **{**COMMON, "max_steps": 2})
+                          entropy_coef=0.05, **{**common, "max_steps": 2})
     return trl.GRPOTrainer(model=model, reward_funcs=reward_distinct_words, args=args, train_dataset=dataset(kind),
                            processing_class=tokenizer)
 
 
-def train(kind, model, tmp_path, order=None):
+def train(kind, model, tmp_path, order=None, **args):
     """Per-step losses of a TRL training; flce applied to the model before or after the trainer is built,
-    or only TRL routed ("route"), or nothing (None)."""
+    or only TRL routed ("route"), or nothing (None). ``args`` override the trainer's arguments."""
     if order == "before":
         flce.apply_flce_patch(model)
     elif order == "route":
         assert flce_trl.route_trl_to_flce()
-    trainer = build_trainer(kind, model, tmp_path)
+    trainer = build_trainer(kind, model, tmp_path, **args)
     if order == "after":
         flce.apply_flce_patch(trainer.model)
     trainer.train()
@@ -158,6 +159,29 @@ def test_trainer_on_flce_matches_unpatched(kind, tmp_path, spy):
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             assert_close(p, q, 1e-4, f"{name} after training, flce applied {order} the trainer")
         flce_trl.unroute_trl()
+
+
+def test_sft_with_trl_compaction_guesses_gradients_in_forward(tmp_path, spy, monkeypatch):
+    """On a GPU TRL scores only the valid tokens, so SFT's log-prob grad_output is uniform: from the second
+    step flce computes the head's gradients in forward (three GEMMs). Same losses and weights."""
+    from flce import log_probs
+
+    monkeypatch.setattr(trl.trainer.utils, "_use_triton", lambda device: True)  # TRL's compaction on the CPU
+    monkeypatch.setattr(log_probs._Speculation, "_kinds", {})
+    guesses = []
+    predicts = log_probs._Speculation.predicts_uniform
+    monkeypatch.setattr(log_probs._Speculation, "predicts_uniform", lambda self: guesses.append(predicts(self))
+                        or guesses[-1])
+    reference = tiny_model("llama")
+    model = copy.deepcopy(reference)
+    # SGD: the guessed gradients differ from recomputed ones by float32 rounding, which Adam's first steps
+    # amplify where a gradient is near zero (its update is lr * sign(g))
+    want = train("sft_completion", reference, tmp_path / "unpatched", optim="sgd")
+    got = train("sft_completion", model, tmp_path / "flce", "before", optim="sgd")
+    assert guesses == [False, True, True]  # one forward per step
+    assert_close(got, want, 1e-5, "per-step losses")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close(p, q, 1e-4, name)
 
 
 def test_route_without_patching_the_model(tmp_path, spy):

@@ -12,6 +12,7 @@ the two gradient GEMMs (grad_weight accumulated in float32 across chunks, see ``
 
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
 from typing import Callable, Iterable, NamedTuple
 
@@ -19,7 +20,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .api import _check_tensors, _compute_dtype, _is_dtensor, _raise_bad_targets
-from .function import ChunkGrads, gradient_gemms
+from .function import ChunkGrads, gradient_gemms, scale_grads
 from .kernels import resolve_backend
 from .kernels import token_stats as kernels
 from .kernels.targets import count_targets
@@ -48,8 +49,10 @@ class TokenStats(NamedTuple):
 
 class LogProbsSpec(NamedTuple):
     """A call's settings: the logit transform, the fields wanted, the GEMMs' dtype, the kernels' backend,
-    rows per chunk (None: planner), and ``gather``: None, or ``gather(weight, bias)`` -> a context manager
-    that backward enters before reading the weight (DeepSpeed ZeRO-3 frees it after forward)."""
+    rows per chunk (None: planner); ``gather``: None, or ``gather(weight, bias)`` -> a context manager
+    that backward enters before reading the weight (DeepSpeed ZeRO-3 frees it after forward);
+    ``speculate``: whether forward may compute the gradients of a uniform grad_output (see
+    ``LinearLogProbsFunction``; costs a host sync in some backwards)."""
 
     tf: Transform
     want: frozenset
@@ -57,6 +60,7 @@ class LogProbsSpec(NamedTuple):
     backend: str
     chunk_size: int | None = None
     gather: Callable | None = None
+    speculate: bool = False
 
 
 @torch.compiler.disable  # data-dependent control flow and Triton launches: one graph break, exact result
@@ -96,12 +100,16 @@ def linear_log_probs(
     Returns:
         :class:`TokenStats` of tensors shaped like ``target``. ``log_probs`` and ``entropy`` take any
         grad_output: backward recomputes the logits chunk by chunk (four GEMMs in all) and returns
-        gradients for input, linear_weight and linear_bias in their own dtypes.
+        gradients for input, linear_weight and linear_bias in their own dtypes. Where the previous
+        backward of the same kind of call had a uniform log-prob grad_output and no entropy one (a
+        mean negative log-likelihood), forward computes the gradients itself (three GEMMs, and a
+        (V, H) gradient held until backward), and backward checks that guess (a host sync) before
+        using them; with ``validate_target=False`` it never guesses.
     """
     tf, want = _check(input, linear_weight, target, linear_bias, ignore_index, temperature, softcap, outputs,
                       chunk_size)
     spec = LogProbsSpec(tf, want, _compute_dtype(input, linear_weight, linear_bias),
-                        resolve_backend(backend, input.device), chunk_size)
+                        resolve_backend(backend, input.device), chunk_size, speculate=validate_target)
     return token_stats(input, linear_weight, linear_bias, target, spec, validate_target)
 
 
@@ -127,12 +135,28 @@ def token_stats(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 class LinearLogProbsFunction(torch.autograd.Function):
     """Inputs: x (n, H), weight (V, H), bias (V,) or None, target (n,) int64, spec (``LogProbsSpec``).
-    Outputs: the five ``TokenStats`` fields as (n,) tensors (None where not in ``spec.want``)."""
+    Outputs: the five ``TokenStats`` fields as (n,) tensors (None where not in ``spec.want``).
+
+    With ``spec.speculate``, a forward whose kind of call (``_Speculation``) last got a uniform log-prob
+    grad_output and no entropy one (an SFT loss, -sum(log_probs) / n) also computes the gradients for a
+    grad_output of ones, as the fused loss does: three GEMMs instead of four. Backward checks the guess
+    and scales them, or recomputes as usual.
+    """
 
     @staticmethod
     def forward(ctx, x, weight, bias, target, spec):
         ctx.set_materialize_grads(False)  # an output without grad_output adds nothing to backward
-        stats = stats_loop(x, weight, bias, target, spec)
+        needs = tuple(ctx.needs_input_grad[:3])
+        n, vocab = x.shape[0], weight.shape[0]
+        stats = _new_stats(n, x.device, spec.want)
+        ctx.guess = _Speculation.of(x, weight, spec) if spec.speculate and any(needs) and n and vocab else None
+        if ctx.guess is not None and ctx.guess.predicts_uniform():
+            unit = RowGrad(stats.lse, None, torch.ones(n, dtype=torch.float32, device=x.device), None)
+            ctx.unit_grads = chunk_loop(x, weight, bias, target, spec, stats, unit, needs)
+            ctx.guess.hold(ctx.unit_grads)
+        else:
+            ctx.unit_grads = None
+            chunk_loop(x, weight, bias, target, spec, stats)
         ctx.spec = spec
         ctx.save_for_backward(x, weight, bias, target, stats.lse, stats.entropy)
         fields = tuple(getattr(stats, name) if name in spec.want else None for name in FIELDS)
@@ -142,53 +166,52 @@ class LinearLogProbsFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_log_probs, grad_entropy, *_):
-        x, weight, bias, target, lse, entropy = ctx.saved_tensors
+        x, weight, bias, target, lse, entropy = ctx.saved_tensors  # raises if changed in place since forward
         needs = tuple(ctx.needs_input_grad[:3])
+        spec, unit, ctx.unit_grads = ctx.spec, ctx.unit_grads, None  # used once: a second backward recomputes
         if grad_log_probs is None and grad_entropy is None or not any(needs):
             return None, None, None, None, None
-        spec = ctx.spec
-        with spec.gather(weight, bias) if spec.gather is not None else nullcontext():
-            grads = grad_loop(x, weight, bias, target, lse, entropy, _per_row(grad_log_probs),
-                              _per_row(grad_entropy), needs, spec)
-        return (grads.input, _as(grads.weight, weight), _as(grads.bias, bias), None, None)
+        g_lp, g_ent = _per_row(grad_log_probs), _per_row(grad_entropy)
+        if ctx.guess is not None and ctx.guess.check(g_lp, g_ent, verify=unit is not None):
+            out = scale_grads(unit, g_lp[0], (x.dtype, weight.dtype, None if bias is None else bias.dtype),
+                              spec.backend)
+        else:
+            with spec.gather(weight, bias) if spec.gather is not None else nullcontext():
+                grads = chunk_loop(x, weight, bias, target, spec, None, RowGrad(lse, entropy, g_lp, g_ent), needs)
+            out = (grads.input, _as(grads.weight, weight), _as(grads.bias, bias))
+        return (*out, None, None)
 
 
-def stats_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-               spec: LogProbsSpec) -> RowStats:
-    """Every chunk's logits, read once by the statistics kernel; (n,) ``RowStats`` of ``spec.want``."""
-    n, vocab = x.shape[0], weight.shape[0]
-    dev = x.device
-    stats = RowStats(
-        torch.empty(n, dtype=torch.float32, device=dev),
-        *(torch.empty(n, dtype=torch.float32, device=dev) if name in spec.want else None for name in FIELDS[:-1]),
-        torch.empty(n, dtype=torch.bool, device=dev) if "is_top1" in spec.want else None)
-    if vocab == 0 or n == 0:
-        return _no_vocabulary(stats, target, spec.tf)
-    plan = plan_chunks(n, vocab, spec.compute_dtype, weight.dtype, chunk_size=spec.chunk_size)
-    w = _in_dtype(weight, spec.compute_dtype)
-    buffer = torch.empty(plan.rows, vocab, dtype=spec.compute_dtype, device=dev) if plan.num_chunks > 1 else None
-    for start, end in plan.bounds():
-        x_c = _in_dtype(x[start:end], spec.compute_dtype)
-        logits = _logits(x_c, w, bias, None if buffer is None else buffer[:end - start])
-        kernels.row_stats(spec.backend, logits, target[start:end], stats.rows(start, end), spec.tf)
-    return stats
+class RowGrad(NamedTuple):
+    """What the gradient kernel needs per row, (n,) float32 each: forward's lse and entropy (None unless
+    grad_entropy), and the grad_outputs of log_probs and entropy (None: no gradient from that output)."""
+
+    lse: torch.Tensor
+    entropy: torch.Tensor | None
+    grad_log_probs: torch.Tensor | None
+    grad_entropy: torch.Tensor | None
 
 
-def grad_loop(x, weight, bias, target, lse, entropy, grad_log_probs, grad_entropy, needs, spec) -> ChunkGrads:
-    """Gradients for ``needs`` = (input, weight, bias): every chunk's logits recomputed, turned into their
-    gradient by the kernel, then grad_input rows = dlogits @ W and grad_weight += dlogits^T @ x_c."""
+def chunk_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+               spec: LogProbsSpec, stats: RowStats | None, grad: RowGrad | None = None,
+               needs: tuple[bool, bool, bool] = (False, False, False)) -> ChunkGrads | None:
+    """Every chunk's logits x_c @ W^T (+ b), then: the statistics kernel writes ``stats`` (if given) in one
+    read; with ``grad``, the gradient kernel overwrites the logits with d(sum_rows g_lp * log_probs +
+    g_ent * entropy) / d logits, and grad_input rows = dlogits @ W, grad_weight += dlogits^T @ x_c (for
+    ``needs`` = input, weight, bias). Returns the gradients (None without ``grad``)."""
     n, hidden = x.shape
     vocab = weight.shape[0]
     dev = x.device
     plan = plan_chunks(n, vocab, spec.compute_dtype, weight.dtype, chunk_size=spec.chunk_size,
-                       weight_grad_hidden=hidden if needs[1] else 0)
-    grads = ChunkGrads(
+                       weight_grad_hidden=hidden if grad is not None and needs[1] else 0)
+    grads = None if grad is None else ChunkGrads(
         input=torch.empty_like(x, memory_format=torch.contiguous_format) if needs[0] else None,
         weight=torch.empty(vocab, hidden, dtype=plan.accum_dtype, device=dev) if needs[1] else None,
-        bias=torch.zeros(vocab, dtype=torch.float32, device=dev) if needs[2] else None,
-    )
-    if vocab == 0 or n == 0:  # nothing depends on the inputs
-        for g in (grads.input, grads.weight):
+        bias=torch.zeros(vocab, dtype=torch.float32, device=dev) if needs[2] else None)
+    if vocab == 0 or n == 0:  # no logits: the statistics are fixed and nothing depends on the inputs
+        if stats is not None:
+            _no_vocabulary(stats, target, spec.tf)
+        for g in (grads.input, grads.weight) if grads is not None else ():
             if g is not None:
                 g.zero_()
         return grads
@@ -198,10 +221,69 @@ def grad_loop(x, weight, bias, target, lse, entropy, grad_log_probs, grad_entrop
         rows = slice(start, end)
         x_c = _in_dtype(x[rows], spec.compute_dtype)
         logits = _logits(x_c, w, bias, None if buffer is None else buffer[:end - start])
-        kernels.row_grad(spec.backend, logits, target[rows], lse[rows], _take(entropy, rows),
-                         _take(grad_log_probs, rows), _take(grad_entropy, rows), spec.tf)
-        gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0)
+        if stats is not None:
+            kernels.row_stats(spec.backend, logits, target[rows], stats.rows(start, end), spec.tf)
+        if grad is not None:
+            kernels.row_grad(spec.backend, logits, target[rows], *(None if t is None else t[rows] for t in grad),
+                             spec.tf)
+            gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0)
     return grads
+
+
+class _Speculation:
+    """Whether the last backward of a kind of call (weight shape, dtypes, device, options) got a uniform
+    log-prob grad_output and no entropy one; then its next forward computes the gradients itself.
+
+    Backward records that without a host sync (the flag is read in a later forward once it has landed),
+    except where it checks a guess, which needs the answer before choosing how to finish. At most one
+    guess per kind is held at a time (its gradients cost a (V, H) tensor from forward to backward), and
+    one whose backward never comes (no gradient through log_probs) ends with its autograd graph.
+    """
+
+    _kinds: dict = {}
+
+    def __init__(self) -> None:
+        self.flag: torch.Tensor | None = None  # host bool, valid once ``landed``
+        self.landed: torch.cuda.Event | None = None
+        self.held: weakref.ref | None = None
+
+    @classmethod
+    def of(cls, x: torch.Tensor, weight: torch.Tensor, spec: LogProbsSpec) -> "_Speculation":
+        key = (tuple(weight.shape), weight.dtype, x.dtype, x.device, spec.tf, spec.want, spec.compute_dtype)
+        return cls._kinds.setdefault(key, cls())
+
+    def predicts_uniform(self) -> bool:
+        if self.held is not None and self.held() is not None:
+            return False
+        if self.flag is None or (self.landed is not None and not self.landed.query()):
+            return False
+        return bool(self.flag)
+
+    def hold(self, grads: ChunkGrads) -> None:
+        self.held = weakref.ref(grads)
+
+    def check(self, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, verify: bool) -> bool:
+        """Record whether this backward's grad_outputs are uniform; with ``verify``, return it (a sync)."""
+        if g_lp is None or g_ent is not None:
+            self.flag, self.landed = torch.tensor(False), None
+            return False
+        uniform = (g_lp == g_lp[:1]).all()
+        if verify:
+            self.flag, self.landed = uniform.cpu(), None
+            return bool(self.flag)
+        self.flag = torch.empty((), dtype=torch.bool, pin_memory=uniform.is_cuda)
+        self.flag.copy_(uniform, non_blocking=True)
+        self.landed = torch.cuda.Event() if uniform.is_cuda else None
+        if self.landed is not None:
+            self.landed.record()
+        return False
+
+
+def _new_stats(n: int, device: torch.device, want: frozenset) -> RowStats:
+    return RowStats(
+        torch.empty(n, dtype=torch.float32, device=device),
+        *(torch.empty(n, dtype=torch.float32, device=device) if name in want else None for name in FIELDS[:-1]),
+        torch.empty(n, dtype=torch.bool, device=device) if "is_top1" in want else None)
 
 
 def _check(input, weight, target, bias, ignore_index, temperature, softcap, outputs, chunk_size):
