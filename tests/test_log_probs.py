@@ -3,7 +3,7 @@ log_probs and entropy for random per-token grad_outputs, options, odd shapes, dt
 
 import pytest
 import torch
-from reference import TOL, assert_close, rel_err
+from reference import TOL, assert_close, reference_logits, rel_err
 
 import flce
 from flce import log_probs
@@ -12,31 +12,28 @@ from flce.kernels import token_stats, token_stats_triton
 FIELDS = flce.TokenStats._fields
 
 
-def reference_stats(x, w, t, b=None, ignore_index=-100, temperature=1.0, softcap=None):
-    """(TokenStats in float64, the float64 leaves, z (..., V)) on float64 copies of the inputs."""
-    leaves = [None if a is None else a.detach().double().requires_grad_(a.requires_grad) for a in (x, w, b)]
-    x64, w64, b64 = leaves
-    z = x64 @ w64.T
-    if b64 is not None:
-        z = z + b64
-    z = z / temperature
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
+def stats_of_logits(z, t, ignore_index=-100):
+    """TokenStats of materialized logits z (..., V) (after temperature and softcap) in z's dtype."""
     log_p = torch.log_softmax(z, -1)
     valid = t != ignore_index
-    y = t.clamp(0, max(w.shape[0] - 1, 0))
+    y = t.clamp(0, max(z.shape[-1] - 1, 0))
 
     def masked(v):
         return torch.where(valid, v, 0.0)
 
-    stats = flce.TokenStats(
+    return flce.TokenStats(
         log_probs=masked(log_p.gather(-1, y[..., None])[..., 0]),
         entropy=masked(-(log_p.exp() * log_p).sum(-1)),
         log_sum_sq_probs=masked(torch.logsumexp(2 * log_p, -1)),
         mean_logits=masked(z.mean(-1)),
         is_top1=valid & (z.argmax(-1) == y),
     )
-    return stats, leaves, z.detach()
+
+
+def reference_stats(x, w, t, b=None, ignore_index=-100, temperature=1.0, softcap=None):
+    """(TokenStats in float64, the float64 leaves, z (..., V)) on float64 copies of the inputs."""
+    z, leaves = reference_logits(x, w, b, temperature, softcap)
+    return stats_of_logits(z, t, ignore_index), leaves, z.detach()
 
 
 def make(shape, hidden, vocab, dtype, *, bias=False, ignore=0.0, scale=2.0, ignore_index=-100):
@@ -259,7 +256,8 @@ def speculation_step(spy, backend, case, g_lp, g_ent=None, retain=False, **opts)
     loss.backward(retain_graph=retain)
     in_backward = spy.take()
     want, (x64, w64, b64), _ = reference_stats(x, w, t, b)
-    ((want.log_probs * g_lp.double()).sum() + (0 if g_ent is None else (want.entropy * g_ent.double()).sum())).backward()
+    want_loss = (want.log_probs * g_lp.double()).sum()
+    (want_loss + (0 if g_ent is None else (want.entropy * g_ent.double()).sum())).backward()
     for got, ref in ((x.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
         assert_close(got, ref, TOL[torch.float32], "gradient")
     if retain:  # a second backward through the same graph recomputes: the guessed gradients are used once
@@ -364,14 +362,12 @@ def eager_grads(x, w, t, b, g_lp, g_ent, ignore_index=-100, temperature=1.0, sof
     """(grad_x, grad_w, grad_b) of the same loss on materialized logits in the inputs' dtype, softmax in
     float32 (how a model's own head computes it): the precision an unfused run has."""
     leaves = [None if a is None else a.detach().requires_grad_() for a in (x, w, b)]
-    z = (leaves[0] @ leaves[1].T if leaves[2] is None else leaves[0] @ leaves[1].T + leaves[2]).float() / temperature
+    logits = leaves[0] @ leaves[1].T
+    z = (logits if leaves[2] is None else logits + leaves[2]).float() / temperature
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    log_p = torch.log_softmax(z, -1)
-    valid = t != ignore_index
-    log_probs = torch.where(valid, log_p.gather(1, t.clamp(min=0)[:, None])[:, 0], 0.0)
-    entropy = torch.where(valid, -(log_p.exp() * log_p).sum(-1), 0.0)
-    (log_probs * g_lp.float() + entropy * g_ent.float()).sum().backward()
+    stats = stats_of_logits(z, t, ignore_index)
+    (stats.log_probs * g_lp.float() + stats.entropy * g_ent.float()).sum().backward()
     return [None if a is None else a.grad for a in leaves]
 
 
@@ -416,3 +412,24 @@ def test_bf16_matches_float64_small(backend):
 ])
 def test_gpu_bf16_matches_float64(bt, hidden, vocab, opts):
     bf16_matches_float64(torch.device("cuda"), bt, hidden, vocab, opts)
+
+
+@pytest.mark.gpu
+def test_gpu_speculation_matches_recompute(monkeypatch):
+    """On CUDA the uniform flag is copied to the host in the background: after a synced step the next
+    forward guesses, and its gradients match the recomputed ones to bf16 rounding."""
+    spy = GradKernelSpy(monkeypatch)
+    cuda = torch.device("cuda")
+    g = torch.Generator(device=cuda).manual_seed(0)
+    x = torch.randn(2048, 1024, device=cuda, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(32000, 1024, device=cuda, generator=g) * 1024**-0.5).bfloat16().requires_grad_()
+    t = torch.randint(0, 32000, (2048,), device=cuda, generator=g)
+    grads = []
+    for _ in range(3):
+        x.grad = w.grad = None
+        (-flce.linear_log_probs(x, w, t).log_probs.mean()).backward()
+        torch.cuda.synchronize()  # the flag has landed before the next forward
+        grads.append((x.grad, w.grad))
+    assert spy.take() == 3  # backward of the first step, then forward of each guessing step
+    for got, want in zip(grads[2], grads[0]):  # guessed vs recomputed: bf16 roundings apart (2^-9)
+        assert rel_err(got, want) <= 1e-2

@@ -11,7 +11,6 @@ import torch
 
 trl = pytest.importorskip("trl", reason="TRL is not installed (pip install flce[test])")
 
-import datasets  # noqa: E402  (comes with TRL)
 import transformers  # noqa: E402
 from hf_tiny import patched, tiny_batch, tiny_model  # noqa: E402
 from reference import TOL, assert_close, rel_err  # noqa: E402
@@ -49,6 +48,8 @@ def sentences(n, words, seed):
 
 
 def dataset(kind):
+    import datasets  # a TRL dependency that its kernels (the GPU tests) do not need
+
     if kind == "sft_completion":
         return datasets.Dataset.from_dict({"prompt": sentences(8, 3, 0), "completion": sentences(8, 4, 1)})
     if kind == "sft_assistant":
@@ -182,6 +183,20 @@ def test_sft_with_trl_compaction_guesses_gradients_in_forward(tmp_path, spy, mon
     assert_close(got, want, 1e-5, "per-step losses")
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert_close(p, q, 1e-4, name)
+
+
+def test_class_patch_after_the_trainer(tmp_path, spy):
+    reference = tiny_model("llama")
+    model = copy.deepcopy(reference)
+    want = train("sft_assistant", reference, tmp_path / "unpatched")
+    spy()
+    trainer = build_trainer("sft_assistant", model, tmp_path / "class")
+    with patched(transformers.LlamaForCausalLM):
+        trainer.train()
+    seen = spy()
+    assert seen["flce_stats"] and seen["flce_grad"] and not seen["trl_forward"], seen
+    got = torch.tensor([row["loss"] for row in trainer.state.log_history if "loss" in row])
+    assert_close(got, want, 1e-5, "per-step losses")
 
 
 def test_route_without_patching_the_model(tmp_path, spy):

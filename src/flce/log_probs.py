@@ -7,7 +7,9 @@ three diagnostics. Same logit model as :func:`flce.linear_cross_entropy`.
 Forward, chunk by chunk: logits = x_c @ W^T (+ b) into one reused buffer, then one read of them by the
 statistics kernel (``kernels.token_stats``). Backward gets any per-token grad_output of the log-probs
 and of the entropy, so it recomputes each chunk's logits, overwrites them with their gradient and runs
-the two gradient GEMMs (grad_weight accumulated in float32 across chunks, see ``planner``).
+the two gradient GEMMs (grad_weight accumulated in float32 across chunks, see ``planner``). A mean
+negative log-likelihood (uniform log-prob grad_output) gets its gradients from forward instead, once
+backward has seen one: see ``LinearLogProbsFunction``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .kernels import token_stats as kernels
 from .kernels.targets import count_targets
 from .kernels.token_stats import FIELDS, RowStats, Transform
 from .options import LossOptions, check_run_options
-from .planner import plan_chunks, weight_grad_hidden
+from .planner import plan_chunks
 
 
 class TokenStats(NamedTuple):
@@ -323,10 +325,6 @@ def _per_row(grad: torch.Tensor | None) -> torch.Tensor | None:
 def _scatter(values: torch.Tensor, rows: torch.Tensor | None, n: int) -> torch.Tensor:
     """Per-valid-row values placed back at their rows (zeros, False, elsewhere)."""
     return values if rows is None else values.new_zeros(n).index_copy(0, rows, values)
-
-
-def _take(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
-    return None if t is None else t[rows]
 
 
 def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -42,7 +42,7 @@ from ..log_probs import LogProbsSpec, token_stats
 _KERNEL_MODULE = "trl.kernels.chunked_logprob"
 _CALLER_MODULE = "trl.trainer.utils"  # add_fused_lm_head's forward calls _ChunkedLogProbFunction.apply
 _NAME = "_ChunkedLogProbFunction"
-_routed: dict[str, object] = {}  # "kernel": TRL's own function, once routed
+_routed: dict[str, object] = {}  # "kernel": TRL's own function while routed
 _in_old_trl_loss = contextvars.ContextVar("flce_in_old_trl_loss", default=False)
 
 
@@ -63,8 +63,9 @@ class TrlHeadOnFlce:
         log_sum_sq_probs, mean_logits, is_top1), each (N,) or None when not in ``outputs``."""
         scale = float(logit_scale)
         if not (scale > 0.0 and math.isfinite(scale)):
-            return _routed["kernel"].apply(hidden, weight, bias, targets, temperature, chunk_size,
-                                           final_logit_softcapping, logit_scale, outputs)
+            own = sys.modules[_KERNEL_MODULE].ChunkedLogProbFunction  # routing replaces other names only
+            return own.apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
+                             logit_scale, outputs)
         device = hidden.device.type
         if torch.is_autocast_enabled(device):
             compute_dtype = torch.get_autocast_dtype(device)
@@ -93,6 +94,8 @@ def route_trl_to_flce() -> bool:
         from trl.kernels import chunked_logprob
     except ImportError:
         return _guard_old_sft_trainer()
+    except Exception:  # a TRL that does not import here: nothing can call it, and patching must not fail
+        return False
     own = getattr(chunked_logprob, "ChunkedLogProbFunction", None)
     if own is None or "outputs" not in inspect.signature(own.forward).parameters:
         return _guard_old_sft_trainer()
