@@ -13,10 +13,9 @@ TOL = {  # relative L2 error allowed against float64, by compute dtype
 }
 
 
-def reference_loss(x, weight, target, *, linear_bias=None, weight_cls=None, reduction="mean",
-                   ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
-                   num_items_in_batch=None):
-    """Loss in float64 on float64 copies of the (leaf) inputs; returns (loss, leaves)."""
+def reference_logits(x, weight, linear_bias=None, temperature=1.0, softcap=None):
+    """(z, leaves): the logits after temperature and softcap in float64, on float64 copies of the inputs
+    (leaves that require grad where the inputs do)."""
     leaves = [None if t is None else t.detach().double().requires_grad_(t.requires_grad)
               for t in (x, weight, linear_bias)]
     x64, w64, b64 = leaves
@@ -26,6 +25,14 @@ def reference_loss(x, weight, target, *, linear_bias=None, weight_cls=None, redu
     z = logits / temperature
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
+    return z, leaves
+
+
+def reference_loss(x, weight, target, *, linear_bias=None, weight_cls=None, reduction="mean",
+                   ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
+                   num_items_in_batch=None):
+    """Loss in float64 on float64 copies of the (leaf) inputs; returns (loss, leaves)."""
+    z, leaves = reference_logits(x, weight, linear_bias, temperature, softcap)
     vocab = weight.shape[0]
     z2, t1 = z.reshape(-1, vocab), target.reshape(-1).long()
     cw = weight_cls.double() if weight_cls is not None else None

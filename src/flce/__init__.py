@@ -9,6 +9,7 @@ from .api import LinearCrossEntropyLoss, LossStats, linear_cross_entropy
 from .experts import experts_forward
 from .grouped import GroupedLinear, grouped_linear
 from .grouped_loss import grouped_linear_cross_entropy
+from .log_probs import TokenStats, linear_log_probs
 from .options import LossOptions
 from .planner import ChunkPlan, plan_chunks
 
@@ -21,11 +22,13 @@ __all__ = [
     "LinearCrossEntropyLoss",
     "LossOptions",
     "LossStats",
+    "TokenStats",
     "apply_flce_patch",
     "experts_forward",
     "grouped_linear",
     "grouped_linear_cross_entropy",
     "linear_cross_entropy",
+    "linear_log_probs",
     "plan_chunks",
     "remove_flce_patch",
 ]

@@ -22,6 +22,7 @@ from .families import family_of
 from .forward import causal_lm_forward
 from .moe import restore_experts, select_experts, switched_models
 from .settings import PatchSettings, make_settings
+from .trl import route_trl_to_flce
 
 T = TypeVar("T")
 
@@ -61,6 +62,7 @@ def apply_flce_patch(model_or_class: T, **options) -> T:
         _patch_class(cls, settings)
     else:
         _patch_instance(target, settings)
+    route_trl_to_flce()  # TRL's fused LM head (trainers built before or after) on flce's kernels
     return model_or_class
 
 
