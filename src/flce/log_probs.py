@@ -23,6 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from .api import _check_tensors, _compute_dtype, _is_dtensor, _raise_bad_targets
 from .function import ChunkGrads, gradient_gemms, scale_grads
+from .import_hooks import compile_disabled
 from .kernels import resolve_backend
 from .kernels import token_stats as kernels
 from .kernels.targets import count_targets
@@ -65,7 +66,7 @@ class LogProbsSpec(NamedTuple):
     speculate: bool = False
 
 
-@torch.compiler.disable  # data-dependent control flow and Triton launches: one graph break, exact result
+@compile_disabled  # data-dependent control flow and Triton launches: one graph break, exact result
 def linear_log_probs(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
