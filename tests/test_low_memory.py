@@ -407,3 +407,19 @@ def test_gpu_precision_and_memory(bt, hidden, vocab):
     err = rel_err(gw, ref_gw)
     assert err <= 1.1 * floor, f"grad_weight error {err:.3g} vs bf16 rounding {floor:.3g} ({err / floor:.3f}x)"
     assert rel_err(gx, ref_gx) <= 1.25 * rel_err(ref_gx.to(torch.bfloat16), ref_gx) + 1e-3
+
+
+def test_benchmark_reference_is_float64_exact():
+    """benchmark/low_memory.py's vocabulary-block float64 reference equals autograd's (tiny shapes)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmark" / "low_memory.py"
+    spec = importlib.util.spec_from_file_location("low_memory_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    x, w, _, t, _ = make_case((45,), 12, 70, torch.float32, torch.device("cpu"))
+    grad_x, grad_w = bench.reference_grads(x, w, t, block_bytes=45 * 8 * 16)  # blocks of 16 columns
+    ref, (x64, w64, _) = reference_loss(x, w, t)
+    ref.backward()
+    assert rel_err(grad_x, x64.grad) < 1e-12 and rel_err(grad_w, w64.grad) < 1e-12
