@@ -28,7 +28,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "src")]
 import torch  # noqa: E402
 
 import flce  # noqa: E402
-from common import environment, free_memory, is_oom, markdown_table, timed_calls, write_json  # noqa: E402
+from common import (environment, free_memory, is_oom, markdown_table, peak_extra_mb, timed_calls,  # noqa: E402
+                    write_json)
 
 MB = 2**20
 TIME_SHAPES = "8192x4096x128256,32768x4096x128256,8192x2048x32000"
@@ -89,28 +90,16 @@ def make_inputs(bt: int, hidden: int, vocab: int, seed: int, device: torch.devic
     return x, w, t
 
 
-def above_grads_mib(fn, device: torch.device) -> float:
-    """Peak allocated during ``fn()`` minus what was allocated before minus the gradients it returns."""
-    free_memory(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    grads = fn()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    held = sum(g.numel() * g.element_size() for g in grads)
-    del grads
-    return (peak - held) / MB
-
-
 def time_cell(shape: tuple[int, int, int], methods: list[str], args) -> list[dict]:
     bt, hidden, vocab = shape
     x, w, t = make_inputs(bt, hidden, vocab, seed=bt + vocab, device=args.device)
     rows = {m: {"shape": "x".join(map(str, shape)), "method": m, "status": "ok"} for m in methods}
     fns = {m: step_fn(m, x, w, t) for m in methods}
+    grads_mib = (x.numel() * x.element_size() + w.numel() * w.element_size()) / MB  # what each call returns
     for m, fn in fns.items():  # first call (compile, autotune), then the memory measurement
         try:
             fn()
-            rows[m]["above_grads_mib"] = above_grads_mib(fn, args.device)
+            rows[m]["above_grads_mib"] = peak_extra_mb(fn, args.device) - grads_mib
         except Exception as exc:  # noqa: BLE001 - one failing method must not end the run
             rows[m]["status"] = "OOM" if is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:160]}"
         free_memory(args.device)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from reference import TOL, assert_close, chunked_reference_grads, reference_loss, rel_err
 from test_api import OPTION_SETS, make_case
+from test_api import check as api_check
 
 import flce
 from flce import low_memory_plan as lmp
@@ -27,26 +28,9 @@ def blocks(monkeypatch):
     return set_cols
 
 
-def check(backend, dtype, device, shape=(37,), hidden=24, vocab=300, reduction="mean", grad_tol=None, **opts):
-    """Low-memory loss and gradients of every differentiable input against the float64 reference."""
-    case_keys = {k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts}
-    x, w, b, t, cw = make_case(shape, hidden, vocab, dtype, device, **case_keys,
-                               ignore_index=opts.get("ignore_index", -100))
-    loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, reduction=reduction, backend=backend,
-                                     low_memory=True, **opts)
-    opts.pop("chunk_size", None)
-    ref, (x64, w64, b64) = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, reduction=reduction, **opts)
-    tol = TOL[dtype]
-    assert loss.dtype == torch.float32 and loss.shape == ref.shape
-    assert_close(loss, ref, tol, "loss")
-    grad_out = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
-    loss.backward(grad_out.to(loss.device, loss.dtype))
-    ref.backward(grad_out.to(ref.device))
-    for name, got, want in (("grad_input", x.grad, x64.grad), ("grad_weight", w.grad, w64.grad),
-                            ("grad_bias", b.grad if b is not None else None, b64.grad if b64 is not None else None)):
-        if want is not None:
-            assert got.dtype == dtype, name
-            assert_close(got, want, grad_tol or tol, name)
+def check(backend, dtype, device, **kwargs):
+    """test_api's check (loss and the gradient of every differentiable input against float64), low_memory."""
+    api_check(backend, dtype, device, low_memory=True, **kwargs)
 
 
 @pytest.mark.parametrize("name", list(OPTION_SETS))
