@@ -178,6 +178,7 @@ def parts_cell(bt: int, hidden: int, cols: int, args) -> list[dict]:
     block kernel, the fused Hopper GEMM at two tile shapes, and the block's grad_weight GEMM."""
     from flce.kernels import block_gemm_triton as bg
     from flce.kernels import logits_triton as lt
+    from flce.kernels.ce_block_torch import RowTerms
     from flce.kernels.ce_block_triton import ce_block_triton
     from flce.options import LossOptions
 
@@ -186,8 +187,7 @@ def parts_cell(bt: int, hidden: int, cols: int, args) -> list[dict]:
     w = (torch.randn(cols, hidden, device=dev) * hidden**-0.5).bfloat16()
     vocab = cols * 32
     t = torch.randint(0, vocab, (bt,), device=dev)
-    lse = torch.full((bt,), 11.0, device=dev)
-    scale = torch.tensor(1.0 / bt, device=dev)
+    terms = RowTerms(t, torch.full((bt,), 11.0, device=dev), None, None, torch.tensor(1.0 / bt, device=dev))
     out = torch.empty(bt, cols, dtype=torch.bfloat16, device=dev)
     gw = torch.empty(cols, hidden, dtype=torch.bfloat16, device=dev)
     opts = LossOptions()
@@ -195,14 +195,14 @@ def parts_cell(bt: int, hidden: int, cols: int, args) -> list[dict]:
     def fused(tile):
         def run():
             bg.TILE = tile
-            bg.block_logits_grad_triton(x, w, None, out, 0, vocab, t, lse, None, None, scale, opts)
+            bg.block_logits_grad_triton(x, w, None, out, 0, vocab, terms, opts)
         return run
 
     variants = {
         "logits GEMM (cuBLAS)": lambda: torch.mm(x, w.t(), out=out),
         "cuBLAS + block kernel": lambda: (torch.mm(x, w.t(), out=out),
-                                          ce_block_triton(out, 0, vocab, t, lse, None, None, scale, opts)),
-        "block kernel alone": lambda: ce_block_triton(out, 0, vocab, t, lse, None, None, scale, opts),
+                                          ce_block_triton(out, 0, vocab, terms, opts)),
+        "block kernel alone": lambda: ce_block_triton(out, 0, vocab, terms, opts),
         "grad_weight GEMM (cuBLAS)": lambda: torch.mm(out.t(), x, out=gw),
     }
     if bg.supported(x, w, None, out):

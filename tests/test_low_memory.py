@@ -10,7 +10,7 @@ from test_api import check as api_check
 import flce
 from flce import low_memory_plan as lmp
 from flce.kernels import triton_available
-from flce.kernels.ce_block_torch import ce_block_torch
+from flce.kernels.ce_block_torch import RowTerms, ce_block_torch
 from flce.options import LossOptions
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,13 +67,14 @@ def test_num_items_and_custom_ignore_index(backend, device, blocks):
     check(backend, torch.float32, device, ignore=0.3, ignore_index=7, reduction="sum")
 
 
-def test_rows_dropped_before_the_gemms(backend, device, blocks):
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_rows_dropped_before_the_gemms(backend, device, blocks, reduction):
     """From COMPACT_MIN_ROWS tokens the ignored rows are dropped first (here on the CPU): both loops see
     only the valid rows, the gradients still land at every row."""
     from flce.api import COMPACT_MIN_ROWS
 
     check(backend, torch.float32, device, shape=(COMPACT_MIN_ROWS + 6,), hidden=8, vocab=150, ignore=0.5,
-          chunk_size=256, label_smoothing=0.1)
+          chunk_size=256, label_smoothing=0.1, reduction=reduction)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -190,11 +191,12 @@ def block_case(n, cols, vocab, col_start, dtype, *, per_row, opts, weighted, dev
     cw = torch.rand(vocab, device=device) + 0.3 if weighted else None
     weight_sum = cw.sum() if weighted else None
     scale = torch.randn(n, device=device) if per_row else torch.tensor(0.37, device=device)
-    return logits, target, lse, cw, weight_sum, scale
+    return logits, RowTerms(target, lse, cw, weight_sum, scale)
 
 
-def reference_block(logits, col_start, vocab, target, lse, cw, weight_sum, scale, opts):
+def reference_block(logits, col_start, vocab, terms, opts):
     """dz of the block in float64 from the formula of DESIGN.md section 1 (not from the twin's code)."""
+    target, lse, cw, weight_sum, scale = terms
     z = logits.double() / opts.temperature
     if opts.softcap is not None:
         z = opts.softcap * torch.tanh(z / opts.softcap)
@@ -214,6 +216,14 @@ def reference_block(logits, col_start, vocab, target, lse, cw, weight_sum, scale
     return torch.where(valid[:, None], dz, 0.0)
 
 
+def block_kernel(backend):
+    if backend == "triton":
+        from flce.kernels.ce_block_triton import ce_block_triton
+
+        return ce_block_triton
+    return ce_block_torch
+
+
 BLOCK_OPTIONS = [
     LossOptions(),
     LossOptions(label_smoothing=0.2, z_loss=1e-2),
@@ -227,16 +237,10 @@ BLOCK_OPTIONS = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_block_kernels_match_float64(backend, opts, per_row, weighted, dtype):
     n, cols, vocab, col_start = 21, 700, 2000, 640  # partial row and column tiles
-    logits, target, lse, cw, ws, scale = block_case(n, cols, vocab, col_start, dtype, per_row=per_row, opts=opts,
-                                                    weighted=weighted)
-    want = reference_block(logits, col_start, vocab, target, lse, cw, ws, scale, opts)
+    logits, terms = block_case(n, cols, vocab, col_start, dtype, per_row=per_row, opts=opts, weighted=weighted)
+    want = reference_block(logits, col_start, vocab, terms, opts)
     out = logits.clone()
-    if backend == "triton":
-        from flce.kernels.ce_block_triton import ce_block_triton
-
-        ce_block_triton(out, col_start, vocab, target, lse, cw, ws, scale, opts)
-    else:
-        ce_block_torch(out, col_start, vocab, target, lse, cw, ws, scale, opts)
+    block_kernel(backend)(out, col_start, vocab, terms, opts)
     # float64: the Triton kernel's scalar arguments (smoothing, z_loss, 1 / temperature) are float32
     tol = {torch.float64: 1e-12 if backend == "torch" else 1e-7, torch.float32: 1e-6}.get(dtype, TOL[dtype] / 4)
     assert rel_err(out, want) <= tol
@@ -245,14 +249,9 @@ def test_block_kernels_match_float64(backend, opts, per_row, weighted, dtype):
 
 def test_block_kernel_poisons_rows_with_bad_targets(backend):
     opts = LossOptions()
-    logits, target, lse, _, _, scale = block_case(6, 40, 100, 0, torch.float32, per_row=False, opts=opts,
-                                                  weighted=False)
-    target[2], target[4] = 100, -5
-    if backend == "triton":
-        from flce.kernels.ce_block_triton import ce_block_triton as kernel
-    else:
-        kernel = ce_block_torch
-    kernel(logits, 0, 100, target, lse, None, None, scale, opts)
+    logits, terms = block_case(6, 40, 100, 0, torch.float32, per_row=False, opts=opts, weighted=False)
+    terms.target[2], terms.target[4] = 100, -5
+    block_kernel(backend)(logits, 0, 100, terms, opts)
     assert torch.isnan(logits[[2, 4]]).all() and torch.isfinite(logits[[0, 3, 5]]).all()
 
 
@@ -290,13 +289,12 @@ def test_fused_block_gemm_matches_float64(fused, opts, with_bias, per_row):
     x = torch.randn(n, hidden, device=DEVICE).to(dtype)
     w = (torch.randn(cols, hidden, device=DEVICE) / hidden**0.5 * 3).to(dtype)
     b = torch.randn(cols, device=DEVICE).to(dtype) if with_bias else None
-    _, target, lse, cw, ws, scale = block_case(n, cols, vocab, col_start, dtype, per_row=per_row, opts=opts,
-                                               weighted=True)
+    _, terms = block_case(n, cols, vocab, col_start, dtype, per_row=per_row, opts=opts, weighted=True)
     out = torch.empty(n, cols, dtype=dtype, device=DEVICE)
     assert bg.supported(x, w, b, out)
-    bg.block_logits_grad_triton(x, w, b, out, col_start, vocab, target, lse, cw, ws, scale, opts)
+    bg.block_logits_grad_triton(x, w, b, out, col_start, vocab, terms, opts)
     logits = (x.double() @ w.double().t() + (b.double() if b is not None else 0.0)).to(dtype)
-    want = reference_block(logits, col_start, vocab, target, lse, cw, ws, scale, opts)
+    want = reference_block(logits, col_start, vocab, terms, opts)
     assert rel_err(out, want) <= TOL[dtype] / 4
     assert torch.all(out[1] == 0)
 

@@ -17,7 +17,7 @@ import torch
 
 from .function import LoopSpec
 from .gemm import mm_into
-from .kernels.ce_block_torch import ce_block_torch
+from .kernels.ce_block_torch import RowTerms, ce_block_torch
 from .kernels.scale import scale_into
 from .low_memory_plan import LowMemoryPlan, plan_low_memory
 from .options import LossOptions
@@ -47,18 +47,15 @@ def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def block_logits_grad(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Tensor | None, out: torch.Tensor,
-                      col_start: int, vocab: int, target: torch.Tensor, lse: torch.Tensor,
-                      class_weight: torch.Tensor | None, weight_sum: torch.Tensor | None, grad_scale: torch.Tensor,
-                      opts: LossOptions, backend: str) -> None:
+                      col_start: int, vocab: int, terms: RowTerms, opts: LossOptions, backend: str) -> None:
     """out (n, C) = the gradient of the loss w.r.t. the logits x @ w_block^T (+ b_block) of vocabulary
-    columns [col_start, col_start + C), times ``grad_scale`` (0-d or per row). On Hopper one GEMM with
+    columns [col_start, col_start + C), times the rows' grad_scale (``terms``). On Hopper one GEMM with
     the gradient in its epilogue; elsewhere the GEMM, then the block kernel over its output."""
     if backend == "triton":
         from .kernels import block_gemm_triton
 
         if block_gemm_triton.supported(x, w_block, b_block, out):
-            block_gemm_triton.block_logits_grad_triton(x, w_block, b_block, out, col_start, vocab, target, lse,
-                                                       class_weight, weight_sum, grad_scale, opts)
+            block_gemm_triton.block_logits_grad_triton(x, w_block, b_block, out, col_start, vocab, terms, opts)
             return
     torch.mm(x, w_block.t(), out=out)
     if b_block is not None:
@@ -66,15 +63,15 @@ def block_logits_grad(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Ten
     if backend == "triton":
         from .kernels.ce_block_triton import ce_block_triton
 
-        ce_block_triton(out, col_start, vocab, target, lse, class_weight, weight_sum, grad_scale, opts)
+        ce_block_triton(out, col_start, vocab, terms, opts)
     else:
-        ce_block_torch(out, col_start, vocab, target, lse, class_weight, weight_sum, grad_scale, opts)
+        ce_block_torch(out, col_start, vocab, terms, opts)
 
 
-def weight_grad_blocks(x, weight, bias, target, class_weight, weight_sum, grad_scale, lse, need_w: bool,
-                       need_b: bool, spec: LoopSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, terms: RowTerms,
+                       need_w: bool, need_b: bool, spec: LoopSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """grad_weight (V, H) in the weight's dtype and grad_bias (V,) float32, block by block of vocabulary
-    columns (``spec.plan.block_cols``), each from all n rows at once. grad_scale: 0-d or (n,) float32."""
+    columns (``spec.plan.block_cols``), each from all n rows at once. x: (n, H), weight: (V, H)."""
     opts, plan, compute_dtype, backend = spec.opts, spec.plan, spec.compute_dtype, spec.backend
     n, hidden = x.shape
     vocab = weight.shape[0]
@@ -87,8 +84,7 @@ def weight_grad_blocks(x, weight, bias, target, class_weight, weight_sum, grad_s
     for start, end in plan.blocks(vocab):
         dz = buffer[: n * (end - start)].view(n, end - start)  # contiguous, whatever the block's width
         block_logits_grad(x_c, _as_dtype(weight[start:end], compute_dtype),
-                          None if bias is None else bias[start:end], dz, start, vocab, target, lse, class_weight,
-                          weight_sum, grad_scale, opts, backend)
+                          None if bias is None else bias[start:end], dz, start, vocab, terms, opts, backend)
         if grad_w is not None:
             mm_into(grad_w[start:end], dz.t(), x_c, accumulate=False)
         if grad_b is not None:
@@ -155,8 +151,8 @@ class LowMemoryFunction(torch.autograd.Function):
             block_scale = grad_scale * g
         grad_w = grad_b = None
         if needs[1] or needs[2]:
-            grad_w, grad_b = weight_grad_blocks(x, weight, bias, target, class_weight, weight_sum, block_scale, lse,
-                                                needs[1], needs[2], spec)
+            terms = RowTerms(target, lse, class_weight, weight_sum, block_scale)
+            grad_w, grad_b = weight_grad_blocks(x, weight, bias, terms, needs[1], needs[2], spec)
         if grad_b is not None:
             grad_b = _as_dtype(grad_b, dtypes[2])
         if ctx.target_check is not None:  # waits only now, with this backward's kernels already queued

@@ -15,7 +15,8 @@ import triton.language as tl
 
 from ..options import LossOptions
 from . import logits_triton
-from .ce_block_triton import _block_grad, loss_constants, loss_flags
+from .ce_block_torch import RowTerms
+from .ce_block_triton import _block_grad, row_arguments
 from .ce_triton import _sm_count
 from .logits_triton import TileConfig, _tile_coords
 
@@ -57,23 +58,11 @@ def supported(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Tensor | No
     return logits_triton.supported(x, w_block, b_block) and logits_triton._tma_ready(out)
 
 
-def block_logits_grad_triton(
-    x: torch.Tensor,
-    w_block: torch.Tensor,
-    b_block: torch.Tensor | None,
-    out: torch.Tensor,
-    col_start: int,
-    vocab: int,
-    target: torch.Tensor,
-    lse: torch.Tensor,
-    class_weight: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    opts: LossOptions,
-) -> None:
+def block_logits_grad_triton(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Tensor | None, out: torch.Tensor,
+                             col_start: int, vocab: int, terms: RowTerms, opts: LossOptions) -> None:
     """out = d loss / d logits of x @ w_block^T (+ b_block), the vocabulary columns [col_start, col_start + C)
-    of all rows, times grad_scale (0-d or (n,)). Shapes: x (n, H), w_block (C, H), b_block (C,) or None,
-    out (n, C) in x's dtype; the rest as in ``ce_block_torch.ce_block_torch``. Check ``supported`` first."""
+    of all rows, times the rows' grad_scale. Shapes: x (n, H), w_block (C, H), b_block (C,) or None, out
+    (n, C) in x's dtype; ``terms`` as in ``ce_block_torch``. Check ``supported`` first."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     n, hidden = x.shape
@@ -81,16 +70,13 @@ def block_logits_grad_triton(
     config = TILE  # read at call time: tests shrink it for the interpreter
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     programs = min(_sm_count(x.device.index), triton.cdiv(n, bm) * triton.cdiv(cols, bn))
+    pointers, scalars, flags = row_arguments(terms, opts)
     _block_grad_gemm_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [bm, bk]),
         TensorDescriptor.from_tensor(w_block, [bn, bk]),
         TensorDescriptor.from_tensor(out, [bm, bn]),
-        b_block if b_block is not None else lse,
-        target, lse, grad_scale,
-        class_weight if class_weight is not None else lse,
-        weight_sum if weight_sum is not None else lse,
-        n, cols, hidden, col_start, vocab, *loss_constants(opts),
-        HAS_BIAS=b_block is not None, **loss_flags(opts, class_weight, grad_scale),
+        terms.lse if b_block is None else b_block,
+        *pointers, n, cols, hidden, col_start, vocab, *scalars, HAS_BIAS=b_block is not None, **flags,
         BM=bm, BN=bn, BK=bk, GROUP=config.group, PROGRAMS=programs,
         num_stages=config.stages, num_warps=config.warps,
     )

@@ -5,38 +5,40 @@ Used on the CPU and as the reference the kernel is tested against.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..options import LossOptions
 
 
-def ce_block_torch(
-    logits: torch.Tensor,
-    col_start: int,
-    vocab: int,
-    target: torch.Tensor,
-    lse: torch.Tensor,
-    class_weight: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    opts: LossOptions,
-) -> None:
+class RowTerms(NamedTuple):
+    """What the block kernels need about the rows besides their logits.
+
+    target: (n,) int64. lse: (n,) float32, each row's log-sum-exp over all V (after temperature and
+    softcap), as the CE kernel wrote it. class_weight: (V,) or None; weight_sum: 0-d float32 sum of
+    class_weight or None. grad_scale: 0-d or (n,) float32, the reduction's scale times grad_output.
+    """
+
+    target: torch.Tensor
+    lse: torch.Tensor
+    class_weight: torch.Tensor | None
+    weight_sum: torch.Tensor | None
+    grad_scale: torch.Tensor
+
+
+def ce_block_torch(logits: torch.Tensor, col_start: int, vocab: int, terms: RowTerms, opts: LossOptions) -> None:
     """Overwrite a block of logits with grad_scale * d loss / d logits, from each row's saved lse.
 
-    Args:
-        logits: (n, C) raw logits of vocabulary columns [col_start, col_start + C) for all n rows, rows
-            contiguous. vocab: V, the full vocabulary (targets index it).
-        target: (n,) int64. lse: (n,) float32, the rows' log-sum-exp over all V (after temperature and
-            softcap), as the CE kernel wrote it.
-        class_weight: (V,) or None; weight_sum: 0-d sum of class_weight (float32) or None.
-        grad_scale: 0-d or (n,) float32: the reduction's scale times grad_output.
-
-    Math in float32 (float64 for float64 logits). Ignored rows get exact zeros; a row whose target is
-    outside [0, V) and not ignore_index gets NaN, as in the CE kernel.
+    logits: (n, C) raw logits of vocabulary columns [col_start, col_start + C) for all n rows, rows
+    contiguous; vocab: V, the full vocabulary (targets index it). Math in float32 (float64 for float64
+    logits). Ignored rows get exact zeros; a row whose target is outside [0, V) and not ignore_index gets
+    NaN, as in the CE kernel.
     """
     n, cols = logits.shape
     if n == 0 or cols == 0:
         return
+    target, lse, class_weight, weight_sum, grad_scale = terms
     math_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     eps, cap = opts.label_smoothing, opts.softcap
     z = logits.to(math_dtype) / opts.temperature

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ..options import LossOptions
+from .ce_block_torch import RowTerms
 from .ce_triton import _grad_block, _logits
 
 
@@ -74,40 +75,29 @@ def _ce_block_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, scale_ptr, cla
 BLOCK_R, BLOCK_C, WARPS = 16, 512, 8
 
 
-def loss_constants(opts: LossOptions) -> tuple:
-    """The scalar arguments every low-memory kernel takes after V, in this order."""
-    return (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
-            1.0 / opts.temperature)
+def row_arguments(terms: RowTerms, opts: LossOptions) -> tuple[tuple, tuple, dict]:
+    """The pointer and scalar arguments every low-memory kernel takes (after its own leading ones, in this
+    order: target, lse, scale, class weights, weight sum, then after V the loss's scalars) and its
+    constexpr switches. Absent tensors point at lse (never read)."""
+    target, lse, class_weight, weight_sum, grad_scale = terms
+    pointers = (target, lse, grad_scale, lse if class_weight is None else class_weight,
+                lse if weight_sum is None else weight_sum)
+    scalars = (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
+               1.0 / opts.temperature)
+    flags = dict(HAS_WEIGHT=class_weight is not None, HAS_SMOOTHING=opts.label_smoothing > 0.0,
+                 HAS_Z_LOSS=opts.z_loss > 0.0, HAS_SOFTCAP=opts.softcap is not None,
+                 SCALE_PER_ROW=grad_scale.dim() == 1)
+    return pointers, scalars, flags
 
 
-def loss_flags(opts: LossOptions, class_weight: torch.Tensor | None, grad_scale: torch.Tensor) -> dict:
-    """The constexpr switches every low-memory kernel takes."""
-    return dict(HAS_WEIGHT=class_weight is not None, HAS_SMOOTHING=opts.label_smoothing > 0.0,
-                HAS_Z_LOSS=opts.z_loss > 0.0, HAS_SOFTCAP=opts.softcap is not None,
-                SCALE_PER_ROW=grad_scale.dim() == 1)
-
-
-def ce_block_triton(
-    logits: torch.Tensor,
-    col_start: int,
-    vocab: int,
-    target: torch.Tensor,
-    lse: torch.Tensor,
-    class_weight: torch.Tensor | None,
-    weight_sum: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    opts: LossOptions,
-) -> None:
+def ce_block_triton(logits: torch.Tensor, col_start: int, vocab: int, terms: RowTerms, opts: LossOptions) -> None:
     """Launch the kernel on one block. See ``ce_block_torch.ce_block_torch`` for the contract."""
     n, cols = logits.shape
     if n == 0 or cols == 0:
         return
     assert logits.stride(1) == 1, "logits rows must be contiguous"
+    pointers, scalars, flags = row_arguments(terms, opts)
     _ce_block_kernel[(triton.cdiv(n, BLOCK_R), triton.cdiv(cols, BLOCK_C))](
-        logits, logits.stride(0), target, lse, grad_scale,
-        class_weight if class_weight is not None else lse,
-        weight_sum if weight_sum is not None else lse,
-        n, cols, col_start, vocab, *loss_constants(opts),
-        **loss_flags(opts, class_weight, grad_scale), FLOAT64=logits.dtype == torch.float64,
-        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS,
+        logits, logits.stride(0), *pointers, n, cols, col_start, vocab, *scalars, **flags,
+        FLOAT64=logits.dtype == torch.float64, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS,
     )
