@@ -405,3 +405,16 @@ def test_benchmark_reference_is_float64_exact():
     ref, (x64, w64, _) = reference_loss(x, w, t)
     ref.backward()
     assert rel_err(grad_x, x64.grad) < 1e-12 and rel_err(grad_w, w64.grad) < 1e-12
+
+
+def test_trainable_bias_of_a_frozen_head(backend, device, blocks):
+    """Only the bias learns: backward runs the block loop for grad_bias alone (no grad_weight buffer)."""
+    x, w, b, t, _ = make_case((20,), 8, 150, torch.float32, device, bias=True, ignore=0.2)
+    w.requires_grad_(False)
+    loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, backend=backend, low_memory=True, z_loss=1e-2)
+    loss.backward()
+    ref, (x64, _, b64) = reference_loss(x, w, t, linear_bias=b, z_loss=1e-2)
+    ref.backward()
+    assert w.grad is None
+    assert_close(b.grad, b64.grad, 1e-5, "grad_bias")
+    assert_close(x.grad, x64.grad, 1e-5, "grad_input")

@@ -131,7 +131,7 @@ def linear_cross_entropy(
 
     def plan_for(rows: int) -> ChunkPlan:
         if low_memory:
-            return low_memory_plan(rows, x, linear_weight, linear_bias, compute_dtype, chunk_size)
+            return low_memory_plan(rows, x, linear_weight, compute_dtype, chunk_size)
         return plan_chunks(rows, vocab, compute_dtype, linear_weight.dtype, chunk_size=chunk_size,
                            accum_dtype=accum_dtype, weight_grad_hidden=weight_grad_hidden(linear_weight))
 

@@ -23,14 +23,14 @@ from .low_memory_plan import LowMemoryPlan, plan_low_memory
 from .options import LossOptions
 
 
-def low_memory_plan(n_rows: int, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    compute_dtype: torch.dtype, chunk_size: int | None) -> LowMemoryPlan:
-    """``plan_low_memory`` for these tensors (whether backward runs its block loop, whether autocast casts
+def low_memory_plan(n_rows: int, input: torch.Tensor, weight: torch.Tensor, compute_dtype: torch.dtype,
+                    chunk_size: int | None) -> LowMemoryPlan:
+    """``plan_low_memory`` for these tensors (whether backward allocates grad_weight, whether autocast casts
     them)."""
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (weight, bias))
     return plan_low_memory(n_rows, weight.shape[0], weight.shape[1], compute_dtype, weight.dtype,
-                           weight_grad=grad, weight_cast=weight.dtype != compute_dtype,
-                           input_cast=input.dtype != compute_dtype, chunk_size=chunk_size)
+                           weight_grad=torch.is_grad_enabled() and weight.requires_grad,
+                           weight_cast=weight.dtype != compute_dtype, input_cast=input.dtype != compute_dtype,
+                           chunk_size=chunk_size)
 
 
 def check_low_memory(low_memory: object, accum_dtype: torch.dtype | None) -> None:

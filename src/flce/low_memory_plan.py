@@ -59,7 +59,7 @@ def plan_low_memory(
     Args:
         n_rows: tokens. vocab, hidden: V, H. compute_dtype: the GEMMs' dtype (logits and dlogits buffers).
         grad_dtype: the weight gradient's dtype (the weight's).
-        weight_grad: whether backward computes grad_weight (or grad_bias): then it runs the block loop.
+        weight_grad: whether backward allocates grad_weight (forward's buffer may then take its size).
         weight_cast / input_cast: the weight / input is cast to ``compute_dtype`` (autocast): the copies
             live beside the buffers and come out of the budget.
         chunk_size: forward's rows per chunk chosen by the user (None: from the budget).
