@@ -14,6 +14,7 @@ from flce.kernels.ce_block_torch import RowTerms, ce_block_torch
 from flce.options import LossOptions
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 @pytest.fixture
@@ -264,7 +265,7 @@ def fused(monkeypatch):
 
     monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
     monkeypatch.setattr(lt, "MIN_ROWS", 8)
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9):
+    if not ON_HOPPER:
         small = lt.TileConfig(32, 64, 16, 2, 4, 4)
         monkeypatch.setattr(lt, "TILE", small)
         monkeypatch.setattr(bg, "TILE", small)
@@ -281,11 +282,11 @@ needs_triton = pytest.mark.skipif(not triton_available(DEVICE), reason="triton c
 @pytest.mark.parametrize("opts", BLOCK_OPTIONS)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("per_row", [False, True])
-def test_fused_block_gemm_matches_float64(fused, opts, with_bias, per_row):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if ON_HOPPER else [torch.float16])
+def test_fused_block_gemm_matches_float64(fused, opts, with_bias, per_row, dtype):
     from flce.kernels import block_gemm_triton as bg
 
     n, hidden, cols, vocab, col_start = 70, 48, 200, 1000, 256  # partial row and column tiles
-    dtype = torch.float16
     x = torch.randn(n, hidden, device=DEVICE).to(dtype)
     w = (torch.randn(cols, hidden, device=DEVICE) / hidden**0.5 * 3).to(dtype)
     b = torch.randn(cols, device=DEVICE).to(dtype) if with_bias else None
