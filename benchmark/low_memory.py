@@ -28,8 +28,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "src")]
 import torch  # noqa: E402
 
 import flce  # noqa: E402
-from common import (environment, free_memory, is_oom, markdown_table, peak_extra_mb, timed_calls,  # noqa: E402
-                    write_json)
+from common import _failure  # noqa: E402 - "OOM" or "error: ..." for a failed method
+from common import environment, free_memory, markdown_table, peak_extra_mb, timed_calls, write_json  # noqa: E402
 
 MB = 2**20
 TIME_SHAPES = "8192x4096x128256,32768x4096x128256,8192x2048x32000"
@@ -101,15 +101,20 @@ def time_cell(shape: tuple[int, int, int], methods: list[str], args) -> list[dic
             fn()
             rows[m]["above_grads_mib"] = peak_extra_mb(fn, args.device) - grads_mib
         except Exception as exc:  # noqa: BLE001 - one failing method must not end the run
-            rows[m]["status"] = "OOM" if is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:160]}"
+            rows[m]["status"] = _failure(exc)
         free_memory(args.device)
     live = [m for m in methods if rows[m]["status"] == "ok"]
     times: dict[str, list[float]] = {m: [] for m in live}
     for r in range(args.rounds):  # interleaved: every method sees the same clocks
         reps = args.reps // args.rounds + (r < args.reps % args.rounds)
-        for m in live:
-            times[m] += timed_calls(fns[m], args.warmup, reps, args.device)
-    floor = statistics.median(times["floor"]) if "floor" in times else float("nan")
+        for m in [m for m in live if rows[m]["status"] == "ok"]:
+            try:
+                times[m] += timed_calls(fns[m], args.warmup, reps, args.device)
+            except Exception as exc:  # noqa: BLE001
+                rows[m]["status"] = _failure(exc)
+            free_memory(args.device)
+    live = [m for m in live if rows[m]["status"] == "ok"]
+    floor = statistics.median(times["floor"]) if "floor" in live else float("nan")
     for m in live:
         rows[m]["median_ms"] = statistics.median(times[m])
         rows[m]["x_floor"] = rows[m]["median_ms"] / floor
@@ -163,7 +168,7 @@ def precision_cell(shape: tuple[int, int, int], methods: list[str], args) -> lis
             row["grad_x_x_rounding"] = relative_error(gx, ref_x) / unit_x
             del gx, gw
         except Exception as exc:  # noqa: BLE001
-            row["status"] = "OOM" if is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:160]}"
+            row["status"] = _failure(exc)
         free_memory(args.device)
         out.append(row)
     del x, w, t, ref_x, ref_w
