@@ -240,11 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds the timed calls are split into")
     parser.add_argument("--parts", action="store_true", help="also time one backward block's parts")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", HERE / "results" / "low_memory")))
+    parser.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run of small --shapes")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("low_memory.py needs a CUDA GPU")
+    args.device = torch.device(args.device)
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        print("low_memory.py needs a CUDA GPU (or --device cpu with small --shapes for a smoke run)")
         return 1
-    args.device = torch.device("cuda")
     args.rounds = max(1, min(args.rounds, args.reps))
     wanted = args.methods.split(",")
     notes = [f"{m}: {why}" for m in wanted if (why := available(m))]
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     timing = [r for s in parse_shapes(args.shapes) for r in time_cell(s, methods, args)]
     precision = [r for s in parse_shapes(args.precision_shapes) for r in precision_cell(s, methods, args)]
     parts = []
-    if args.parts:
+    if args.parts and args.device.type == "cuda":
         parts = parts_cell(8192, 4096, 4096, args) + parts_cell(32768, 4096, 1024, args)
 
     tables = [("Forward+backward, bf16", timing, ["shape", "method", "median_ms", "x_floor", "above_grads_mib",
