@@ -12,6 +12,7 @@ from .function import LinearCrossEntropyFunction, LoopSpec, chunk_loop
 from .import_hooks import compile_disabled
 from .kernels import resolve_backend
 from .kernels.targets import count_targets
+from .low_memory import LowMemoryFunction, check_low_memory, low_memory_plan
 from .options import LossOptions, check_run_options
 from .planner import ChunkPlan, plan_chunks, weight_grad_hidden
 
@@ -74,6 +75,7 @@ def linear_cross_entropy(
     backend: str = "auto",
     return_stats: bool = False,
     validate_target: bool = True,
+    low_memory: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, LossStats]:
     """Cross-entropy of ``input @ linear_weight.T + linear_bias`` without materializing the logits.
 
@@ -97,8 +99,14 @@ def linear_cross_entropy(
             and raises in forward or, at the latest, in backward (the loss is NaN until then); ignored
             rows are then computed and zeroed, as in eager PyTorch. False makes the call sync-free
             (CUDA-graph capture): targets are trusted, and a target outside [0, V) gives a NaN loss.
+        low_memory: the precise low-memory mode (``low_memory.py``): a small buffer above the gradients,
+            grad_weight rounded once, one more GEMM (the logits recomputed in backward); chunk_size then
+            sets forward's rows per chunk; no accum_dtype, no DTensor weight.
     """
+    check_low_memory(low_memory, accum_dtype)
     if type(linear_weight) not in _PLAIN_TENSORS and _is_dtensor(linear_weight):  # Shard(0) or replicated
+        if low_memory:
+            raise NotImplementedError("low_memory=True takes a plain linear_weight, not a DTensor")
         from .distributed import linear_cross_entropy_dtensor  # lazy: distributed imports this module
 
         return linear_cross_entropy_dtensor(
@@ -122,6 +130,8 @@ def linear_cross_entropy(
         not (grad and t.is_cuda) or _sync_pays(_ignored_share.get(t.device), n, vocab, hidden))
 
     def plan_for(rows: int) -> ChunkPlan:
+        if low_memory:
+            return low_memory_plan(rows, x, linear_weight, compute_dtype, chunk_size)
         return plan_chunks(rows, vocab, compute_dtype, linear_weight.dtype, chunk_size=chunk_size,
                            accum_dtype=accum_dtype, weight_grad_hidden=weight_grad_hidden(linear_weight))
 
@@ -129,7 +139,7 @@ def linear_cross_entropy(
     class_w = weight.float().contiguous() if weight is not None else None
     weight_sum = class_w.sum() if class_w is not None else None
     kernel_counts = None
-    if _kernel_finishes_mean(plan, grad, reduction, class_w, num_items_in_batch):
+    if not low_memory and _kernel_finishes_mean(plan, grad, reduction, class_w, num_items_in_batch):
         kernel_counts = counts = torch.zeros(3, dtype=torch.int64, device=t.device)
         scale = torch.empty((), dtype=torch.float32, device=t.device)  # written by the CE kernel
     else:
@@ -151,7 +161,8 @@ def linear_cross_entropy(
             pending.start()
     spec = LoopSpec(opts, plan, compute_dtype, backend, return_stats, kernel_counts)
     if grad:
-        loss, lse, correct = LinearCrossEntropyFunction.apply(
+        function = LowMemoryFunction if low_memory else LinearCrossEntropyFunction
+        loss, lse, correct = function.apply(
             chunk_loop, spec, x, linear_weight, linear_bias, t, class_w, weight_sum, scale, pending)
         if pending is not None:
             if kernel_counts is not None:
