@@ -6,10 +6,19 @@ import torch
 from reference import TOL, assert_close, reference_logits, rel_err
 
 import flce
+from conftest import DEVICE
 from flce import log_probs
 from flce.kernels import token_stats, token_stats_triton
 
 FIELDS = flce.TokenStats._fields
+
+
+@pytest.fixture(autouse=True)
+def _on_device():
+    """Every tensor a test makes lives on the device the suite runs on (the Triton backend needs CUDA
+    there, or the interpreter on the CPU)."""
+    with torch.device(DEVICE):
+        yield
 
 
 def stats_of_logits(z, t, ignore_index=-100):
@@ -60,7 +69,7 @@ def check(backend, dtype=torch.float32, shape=(37,), hidden=24, vocab=300, grad_
           bias=False, ignore=0.0, scale=2.0, autocast=None, **opts):
     x, w, b, t = make(shape, hidden, vocab, dtype, bias=bias, ignore=ignore, scale=scale,
                       ignore_index=opts.get("ignore_index", -100))
-    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+    with torch.autocast(DEVICE.type, dtype=autocast, enabled=autocast is not None):
         got = flce.linear_log_probs(x, w, t, linear_bias=b, outputs=outputs, backend=backend, **opts)
     opts.pop("chunk_size", None), opts.pop("validate_target", None)
     want, (x64, w64, b64), z = reference_stats(x, w, t, b, **opts)
@@ -401,7 +410,7 @@ def bf16_matches_float64(device, bt, hidden, vocab, opts, backend="auto"):
 
 
 def test_bf16_matches_float64_small(backend):
-    bf16_matches_float64(torch.device("cpu"), 300, 64, 500, {"chunk_size": 128, "softcap": 30.0, "bias": True},
+    bf16_matches_float64(DEVICE, 300, 64, 500, {"chunk_size": 128, "softcap": 30.0, "bias": True},
                          backend)
 
 
