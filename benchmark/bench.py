@@ -152,8 +152,8 @@ def print_tables(env: dict, args, results) -> None:
         compact = getattr(module, "compact_columns", None)
         label = module.title(rows) if hasattr(module, "title") else name
         title = f"{label} on {env['device']}"
-        if args.wide or not compact:
-            print_table(rows, title, getattr(module, "COLUMNS", None), width=None if args.wide else 100)
+        if args.wide or not compact:  # every column, as wide as they need
+            print_table(rows, title, getattr(module, "COLUMNS", None), width=None)
         else:
             print_table(rows, title, compact(rows))
 

@@ -265,3 +265,20 @@ def test_flce_grad_weight_precision_bf16(bt, hidden, vocab):
     rounding = suite_lce.relative_error(ref.to(torch.bfloat16), ref)
     _, grad_w = torch.autograd.grad(flce.linear_cross_entropy(x, w, t), (x, w))
     assert suite_lce.relative_error(grad_w, ref) <= 1.25 * rounding
+
+
+@pytest.mark.gpu
+def test_cli_gpu_takes_both_readings(tmp_path):
+    """On a GPU: every method gets a loop and a mixed reading (CUDA events), the table the worse."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench.py"), "--out", str(tmp_path), "--shapes",
+                           "1024x512x8192", "--methods", "flce,eager,trl,quack,floor", "--modes", "fwd+bwd",
+                           "--reps", "3", "--no-plots"], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {"flce", "eager", "floor"} <= {r["method"] for r in rows}
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert _finite(r["ms_loop"]) and _finite(r["ms_mixed"]) and r["median_ms"] == max(r["ms_loop"], r["ms_mixed"])
+        assert _finite(r["peak_mb"]) and r["peak_mb"] > 0
