@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -76,66 +77,62 @@ def timed_steps(make_call: Callable[[], Callable[[], Any]], warmup: int, reps: i
         sync(device)
     for _ in range(warmup):
         make_call()()
-    times, events = [], []
-    for _ in range(reps):
-        call = make_call()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            events.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - t0) * 1e3)
+    samples = [_timed(make_call(), cuda) for _ in range(reps)]
     if cuda:
         torch.cuda.synchronize(device)
-        times = [start.elapsed_time(end) for start, end in events]
-    return times
+    return [_ms(s) for s in samples]
+
+
+def _timed(call: Callable[[], Any], cuda: bool) -> tuple[Any, Any] | float:
+    """Run ``call``: on CUDA between two recorded events (read them after a sync), else timed in ms."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        return start, end
+    t0 = time.perf_counter()
+    call()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _ms(sample: tuple[Any, Any] | float) -> float:
+    return sample[0].elapsed_time(sample[1]) if isinstance(sample, tuple) else sample
 
 
 def mixed_times(make_calls: dict[str, Callable[[], Callable[[], Any]]], rounds: int, device: torch.device,
                 failed: Callable[[str, BaseException], None]) -> dict[str, list[float]]:
     """Milliseconds per call of each method, taking turns one call at a time: every round calls each
     method once (fresh inputs from its ``make_calls`` entry, each call between two CUDA events, no sync
-    between calls), the order rotating so that each method follows each other one. One untimed round
-    first. A method that raises is reported to ``failed`` and leaves the rotation.
+    between calls), in an order shuffled per round (seeded), so that each method follows different
+    ones. One untimed round first. A method that raises is reported to ``failed`` and leaves the rounds.
 
     This is how a step meets its neighbours in a real program: the allocator's cache, the L2 and the
     GPU's clock are left as the previous (possibly heavy) method left them, not as its own warm-up did.
     """
     live = list(make_calls)
-    times: dict[str, list[float]] = {n: [] for n in live}
-    pending: list[tuple[str, Any, Any]] = []
+    samples: list[tuple[str, tuple[Any, Any] | float]] = []
     cuda = device.type == "cuda"
     for r in range(rounds + 1):
-        k = r % max(len(live), 1)
-        for name in live[k:] + live[:k]:
+        order = list(live)
+        random.Random(r).shuffle(order)  # a new neighbour before each method, the same in every run
+        for name in order:
             try:
-                call = make_calls[name]()
-                if cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    call()
-                    end.record()
-                    if r:
-                        pending.append((name, start, end))
-                else:
-                    t0 = time.perf_counter()
-                    call()
-                    if r:
-                        times[name].append((time.perf_counter() - t0) * 1e3)
+                sample = _timed(make_calls[name](), cuda)
             except Exception as exc:  # noqa: BLE001 - one failing method must not end the run
                 failed(name, exc)
                 live.remove(name)
                 free_memory(device)
+                continue
+            if r:
+                samples.append((name, sample))
     if cuda:
         torch.cuda.synchronize(device)
-        for name, start, end in pending:
-            if name in live:
-                times[name].append(start.elapsed_time(end))
-    return {n: times[n] for n in live}
+    times: dict[str, list[float]] = {n: [] for n in live}
+    for name, sample in samples:
+        if name in times:
+            times[name].append(_ms(sample))
+    return times
 
 
 def host_us_per_call(fns: dict[str, Callable[[], Any]], rounds: int = 15, calls: int = 20,
