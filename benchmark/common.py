@@ -391,9 +391,9 @@ def has_module(name: str) -> bool:
 
 @contextlib.contextmanager
 def progress(total: int, description: str) -> Iterator[Callable[[str], None]]:
-    """A progress bar that disappears when done (rich; nothing without it); yields ``step(label)`` to
-    call once per finished cell."""
-    if not has_module("rich"):
+    """A progress bar on a terminal that disappears when done (rich; nothing without it or in a log);
+    yields ``step(label)`` to call once per finished cell."""
+    if not sys.stdout.isatty() or not has_module("rich"):
         yield lambda label="": None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
