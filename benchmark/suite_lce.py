@@ -155,8 +155,9 @@ def _quack(x, w, t):
 
 def _trl(x, w, t):
     """TRL's fused LM head (``trl.kernels.ChunkedLogProbFunction``) as its trainer calls it: the valid rows'
-    per-token log-probabilities (rows picked on a GPU, masked elsewhere), loss = -their mean."""
-    from trl.kernels import ChunkedLogProbFunction
+    per-token log-probabilities (rows picked on a GPU, masked elsewhere), loss = -their mean. Taken from
+    its defining module, which ``flce.patches.trl``'s routing leaves alone: always TRL's own kernel."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
     valid = t != -100
     if x.is_cuda:
@@ -209,7 +210,7 @@ UNAVAILABLE: dict[str, Callable[[torch.device], str | None]] = {
     "liger": _missing("liger_kernel"),
     "cce": _missing("cut_cross_entropy"),
     "quack": _missing("quack", imports="quack.linear_cross_entropy"),
-    "trl": _missing("trl", cuda_only=False, imports="trl.kernels"),
+    "trl": _missing("trl", cuda_only=False, imports="trl.kernels.chunked_logprob"),
 }
 
 
