@@ -4,19 +4,25 @@ A suite is a module ``benchmark/suite_<name>.py`` with ``NAME: str`` and ``run(a
 (optional: ``COLUMNS`` for its table, ``plot(rows, out_dir) -> list[Path]`` for its figures; without
 ``plot``, bench.py draws :func:`plot_bars`). ``args`` has ``.device`` (torch.device), ``.quick``,
 ``.warmup`` and ``.reps``, and the shared filters ``.sweep``, ``.methods``, ``.dtype``, ``.modes``
-(comma-separated strings, None = the suite's default) and ``.notes`` (a list: append lines to print
-and store, e.g. why a method was skipped). A row is a flat dict made by :func:`make_row`: ``suite,
+(comma-separated strings, None = the suite's default), ``.timing`` (the readings to take, see
+:func:`measure_steps`), ``.notes`` (a list: append one-line notes to print and store, e.g. why a method
+was skipped) and ``.checkpoint(rows)`` (call after each finished cell: bench.py rewrites the result files,
+so a run cut short keeps what it measured). A row is a flat dict made by :func:`make_row`: ``suite,
 method, mode ("fwd" | "fwd+bwd"), shape (str), median_ms, tflops, peak_mb, status`` plus extras.
+Optional packages (rich, matplotlib) cost only their part when missing: plain tables, no plots.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import math
+import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -51,32 +57,82 @@ def median_ms(fn: Callable[[], Any], warmup: int, reps: int, device: torch.devic
 
 
 def timed_calls(fn: Callable[[], Any], warmup: int, reps: int, device: torch.device) -> list[float]:
-    """Milliseconds of each of ``reps`` calls of ``fn()`` after ``warmup`` untimed ones.
+    """Milliseconds of each of ``reps`` calls of ``fn()`` after ``warmup`` untimed ones (see :func:`timed_steps`)."""
+    return timed_steps(lambda: fn, warmup, reps, device)
 
-    On a GPU the timed calls follow the warm-up calls with no sync between them, as steps follow each
-    other in training: the host is then ahead of the GPU by the warm-up calls' work, and a call's time
-    is what it costs in a running loop. Right after a sync, a launch-bound call (a small batch) would
-    also be timed waiting for its own launches, which a training step's earlier layers hide.
+
+def timed_steps(make_call: Callable[[], Callable[[], Any]], warmup: int, reps: int,
+                device: torch.device) -> list[float]:
+    """Milliseconds of each of ``reps`` steps after ``warmup`` untimed ones; ``make_call()`` prepares a
+    step's fresh inputs outside the timing and returns the call to time.
+
+    On a GPU each call is bracketed by two CUDA events, and the timed calls follow the warm-up calls
+    with no sync between them, as steps follow each other in training: the host is then ahead of the GPU
+    by the warm-up calls' work, and a call's time is what it costs in a running loop. Right after a
+    sync, a launch-bound call (a small batch) would also be timed waiting for its own launches, which a
+    training step's earlier layers hide.
     """
-    if device.type != "cuda":
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return times
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    sync(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        sync(device)
     for _ in range(warmup):
-        fn()
-    for start, end in events:
+        make_call()()
+    samples = [_timed(make_call(), cuda) for _ in range(reps)]
+    if cuda:
+        torch.cuda.synchronize(device)
+    return [_ms(s) for s in samples]
+
+
+def _timed(call: Callable[[], Any], cuda: bool) -> tuple[Any, Any] | float:
+    """Run ``call``: on CUDA between two recorded events (read them after a sync), else timed in ms."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        call()
         end.record()
-    torch.cuda.synchronize(device)
-    return [start.elapsed_time(end) for start, end in events]
+        return start, end
+    t0 = time.perf_counter()
+    call()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _ms(sample: tuple[Any, Any] | float) -> float:
+    return sample[0].elapsed_time(sample[1]) if isinstance(sample, tuple) else sample
+
+
+def mixed_times(make_calls: dict[str, Callable[[], Callable[[], Any]]], rounds: int, device: torch.device,
+                failed: Callable[[str, BaseException], None]) -> dict[str, list[float]]:
+    """Milliseconds per call of each method, taking turns one call at a time: every round calls each
+    method once (fresh inputs from its ``make_calls`` entry, each call between two CUDA events, no sync
+    between calls), in an order shuffled per round (seeded), so that each method follows different
+    ones. One untimed round first. A method that raises is reported to ``failed`` and leaves the rounds.
+
+    This is how a step meets its neighbours in a real program: the allocator's cache, the L2 and the
+    GPU's clock are left as the previous (possibly heavy) method left them, not as its own warm-up did.
+    """
+    live = list(make_calls)
+    samples: list[tuple[str, tuple[Any, Any] | float]] = []
+    cuda = device.type == "cuda"
+    for r in range(rounds + 1):
+        order = list(live)
+        random.Random(r).shuffle(order)  # a new neighbour before each method, the same in every run
+        for name in order:
+            try:
+                sample = _timed(make_calls[name](), cuda)
+            except Exception as exc:  # noqa: BLE001 - one failing method must not end the run
+                failed(name, exc)
+                live.remove(name)
+                free_memory(device)
+                continue
+            if r:
+                samples.append((name, sample))
+    if cuda:
+        torch.cuda.synchronize(device)
+    times: dict[str, list[float]] = {n: [] for n in live}
+    for name, sample in samples:
+        if name in times:
+            times[name].append(_ms(sample))
+    return times
 
 
 def host_us_per_call(fns: dict[str, Callable[[], Any]], rounds: int = 15, calls: int = 20,
@@ -100,12 +156,14 @@ def host_us_per_call(fns: dict[str, Callable[[], Any]], rounds: int = 15, calls:
 
 
 def peak_extra_mb(fn: Callable[[], Any], device: torch.device) -> float:
-    """Peak CUDA memory allocated during ``fn()`` above what was allocated before it, in MiB (NaN off GPU).
+    """Peak memory allocated during ``fn()`` above what was allocated before it, in MiB.
 
-    What ``fn`` returns is alive at the peak, so returning gradients counts their buffers.
+    CUDA: ``torch.cuda.max_memory_allocated``. CPU: torch's own allocations, replayed in time order from
+    the profiler's memory events (:func:`cpu_peak_extra_bytes`). What ``fn`` returns is alive at the
+    peak, so returning gradients counts their buffers.
     """
     if device.type != "cuda":
-        return NAN
+        return cpu_peak_extra_bytes(fn) / MB
     free_memory(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -116,12 +174,48 @@ def peak_extra_mb(fn: Callable[[], Any], device: torch.device) -> float:
     return peak / MB
 
 
+def cpu_peak_extra_bytes(fn: Callable[[], Any]) -> int:
+    """Peak bytes of CPU tensor memory allocated during ``fn()`` above what was allocated before it.
+
+    torch's CPU allocator reports every allocation and free to the profiler when ``profile_memory`` is
+    on; the running sum of those sizes, in time order, is the memory held at each moment. Unlike the
+    process's resident size, this sees frees at once (glibc keeps freed pages), counts a temporary that
+    lives inside one operator, and ignores memory that is not tensors (Python, oneDNN scratch). The
+    result of ``fn`` is still alive when the profiler stops. A tensor allocated before the call and
+    freed during it is not seen freed (the profiler knows no size for it): the reading can then only be
+    higher than the truth, never lower.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when the profiler starts first: no start/stop lines
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    del result
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    sizes = []
+    while stack:
+        event = stack.pop()
+        stack += event.children
+        if event.tag == _EventType.Allocation and str(event.extra_fields.device).startswith("cpu"):
+            sizes.append((event.start_time_ns, event.extra_fields.alloc_size))
+    held = peak = 0
+    for _, size in sorted(sizes, key=lambda e: e[0]):
+        held += size
+        peak = max(peak, held)
+    return peak
+
+
 def is_oom(exc: BaseException) -> bool:
     """Out-of-memory errors, whatever layer raised them (torch, Triton, cuBLAS)."""
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return True
     text = str(exc).lower()
     return "out of memory" in text or "outofresources" in type(exc).__name__.lower()
+
+
+TIMINGS = ("loop", "mixed")  # the readings measure_steps can take (--timing)
 
 
 def measure(fn: Callable[[], Any], args, flops: float) -> dict[str, Any]:
@@ -134,36 +228,68 @@ def measure(fn: Callable[[], Any], args, flops: float) -> dict[str, Any]:
 
 def measure_interleaved(fns: dict[str, Callable[[], Any]], args, flops: float,
                         rounds: int = 5) -> dict[str, dict[str, Any]]:
-    """:func:`measure` for the methods of one cell, timed in interleaved rounds (every method once per
-    round, ``args.reps`` timed calls each in all), median over all of a method's calls.
+    """:func:`measure_steps` of plain callables (the same inputs every call), "loop" reading only."""
+    return measure_steps({name: (lambda fn=fn: fn) for name, fn in fns.items()}, args, flops,
+                         timings=("loop",), rounds=rounds)
 
-    A GPU's clock follows its temperature: on an H200 the floor's three GEMMs read 35.7 ms after a
-    pause and 39.3 ms after a minute of load. Timed one after the other, methods would be compared
-    under different clocks; interleaved, every method sees the same mix.
+
+def measure_steps(make_calls: dict[str, Callable[[], Callable[[], Any]]], args, flops: float,
+                  timings: Iterable[str] | None = None, rounds: int = 5) -> dict[str, dict[str, Any]]:
+    """Peak memory and time of each method of one cell; ``make_calls[name]()`` prepares a step's fresh
+    inputs and returns the call to time (see :func:`timed_steps`).
+
+    Readings (``timings``, default ``args.timing`` or both):
+      - "loop": each method alone, in ``rounds`` interleaved rounds (one on the CPU) (every method once per round,
+        ``args.warmup`` untimed calls then its share of ``args.reps`` timed calls, back to back): a
+        GPU's clock follows its temperature (an H200's floor read 35.7 ms after a pause, 39.3 after a
+        minute of load), so all methods see the same mix of clocks.
+      - "mixed": the methods take turns call by call (:func:`mixed_times`, ``args.reps`` rounds).
+    Returns per method ``median_ms`` (the worse of the readings taken), ``ms_loop`` / ``ms_mixed``,
+    ``tflops``, ``peak_mb`` and ``status``.
     """
+    device = args.device
+    timings = tuple(timings or getattr(args, "timing", None) or TIMINGS)
     out = {}
-    for name, fn in fns.items():  # first call (compile, autotune) and peak memory, one at a time
+    for name, make_call in make_calls.items():  # first call (compile, autotune) and peak memory, one at a time
         out[name] = {"median_ms": NAN, "tflops": NAN, "peak_mb": NAN, "status": "ok"}
         try:
-            fn()
-            out[name]["peak_mb"] = peak_extra_mb(fn, args.device)
+            make_call()()
+            out[name]["peak_mb"] = peak_extra_mb(make_call(), device)
         except Exception as exc:  # noqa: BLE001 - one failing method must not end the run
             out[name]["status"] = _failure(exc)
-        free_memory(args.device)
-    live = [n for n in fns if out[n]["status"] == "ok"]
-    rounds = max(1, min(rounds, args.reps))
-    times: dict[str, list[float]] = {n: [] for n in live}
-    for r in range(rounds):
-        reps = args.reps // rounds + (r < args.reps % rounds)
-        for name in [n for n in live if out[n]["status"] == "ok"]:
-            try:
-                times[name] += timed_calls(fns[name], args.warmup, reps, args.device)
-            except Exception as exc:  # noqa: BLE001
-                out[name]["status"] = _failure(exc)
-            free_memory(args.device)
-    for name in live:
-        if out[name]["status"] == "ok":
-            out[name]["median_ms"] = statistics.median(times[name])
+        free_memory(device)
+
+    def failed(name: str, exc: BaseException, reading: str = "") -> None:
+        out[name]["status"] = _failure(exc) + (f" ({reading} reading)" if reading else "")
+
+    def live() -> list[str]:
+        return [n for n in make_calls if out[n]["status"] == "ok"]
+
+    readings: dict[str, dict[str, list[float]]] = {n: {} for n in make_calls}
+    if "loop" in timings:
+        # Rounds keep a GPU's clock the same for every method; a CPU has no such drift to average out.
+        rounds = max(1, min(rounds if device.type == "cuda" else 1, args.reps))
+        for r in range(rounds):
+            reps = args.reps // rounds + (r < args.reps % rounds)
+            for name in live():
+                try:
+                    readings[name].setdefault("loop", []).extend(
+                        timed_steps(make_calls[name], args.warmup, reps, device))
+                except Exception as exc:  # noqa: BLE001
+                    failed(name, exc)
+                free_memory(device)
+    if "mixed" in timings and live():
+        mixed = mixed_times({n: make_calls[n] for n in live()}, args.reps, device,
+                            lambda name, exc: failed(name, exc, "mixed"))
+        for name, times in mixed.items():
+            readings[name]["mixed"] = times
+        free_memory(device)
+    for name in live():
+        medians = {k: statistics.median(v) for k, v in readings[name].items() if v}
+        for k in timings:
+            out[name][f"ms_{k}"] = medians.get(k, NAN)
+        if medians:
+            out[name]["median_ms"] = max(medians.values())
             out[name]["tflops"] = tflops(flops, out[name]["median_ms"])
     return out
 
@@ -247,14 +373,34 @@ def slug(text: str) -> str:
 
 # ---------------------------------------------------------------- output
 
+TABLE_WIDTH = 100  # the default (compact) tables fit a 100-column terminal
+Column = str | tuple[str, str]  # a row key, or (row key, header)
+
+
+@functools.lru_cache(maxsize=None)
+def has_module(name: str) -> bool:
+    """Whether an optional package imports (a broken install counts as missing)."""
+    import importlib
+
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - ImportError, or whatever a broken install raises
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def progress(total: int, description: str) -> Iterator[Callable[[str], None]]:
-    """Rich progress bar; yields ``step(label)`` to call once per finished cell."""
+    """A progress bar on a terminal that disappears when done (rich; nothing without it or in a log);
+    yields ``step(label)`` to call once per finished cell."""
+    if not sys.stdout.isatty() or not has_module("rich"):
+        yield lambda label="": None
+        return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[label]}"))
-    with Progress(*columns, transient=False) as bar:
+    with Progress(*columns, transient=True) as bar:
         task = bar.add_task(description, total=total, label="")
 
         def step(label: str = "") -> None:
@@ -267,47 +413,73 @@ def format_value(value: Any) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "-"
+        if value != 0 and abs(value) < 1e-3:
+            return f"{value:.2e}"
         if value == 0 or abs(value) >= 100:
             return f"{value:.0f}"
         return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
     return "-" if value is None else str(value)
 
 
+FAILED_SHOWS_STATUS = ("median_ms", "tflops", "peak_mb")
+
+
 def row_cells(row: dict, columns: list[str]) -> list[str]:
     """Formatted values; a failed row (status not "ok") shows its status in place of its measurements."""
     failed = row.get("status", "ok") != "ok"
-    return [row["status"].split(":")[0] if failed and c in ("median_ms", "tflops", "peak_mb")
+    return [row["status"].split(":")[0] if failed and c in FAILED_SHOWS_STATUS
             else format_value(row.get(c)) for c in columns]
 
 
-def table_columns(rows: list[dict], preferred: Iterable[str] | None = None) -> list[str]:
-    """Columns to show: ``preferred`` (or the base ones) that any row has a value for."""
-    names = list(preferred) if preferred is not None else BASE_COLUMNS
+def table_columns(rows: list[dict], preferred: Iterable[Column] | None = None) -> list[tuple[str, str]]:
+    """(key, header) of the columns to show: ``preferred`` (or the base ones) that any row has a value for."""
+    names = [c if isinstance(c, tuple) else (c, c) for c in (preferred if preferred is not None else BASE_COLUMNS)]
     present = {k for r in rows for k, v in r.items() if v is not None}
-    return [c for c in names if c in present]
+    return [c for c in names if c[0] in present]
 
 
-def print_table(rows: list[dict], title: str, columns: Iterable[str] | None = None, console=None) -> None:
-    """One rich table; a row whose status is not "ok" shows that status in place of its numbers."""
+def table_text(rows: list[dict], title: str, columns: Iterable[Column] | None = None,
+               width: int | None = TABLE_WIDTH) -> str:
+    """The table as text: boxed by rich when installed (at most ``width`` columns wide; None: as wide as
+    it needs), else plain aligned columns. A row whose status is not "ok" shows that status in place
+    of its numbers."""
+    cols = table_columns(rows, columns)
+    cells = [row_cells(r, [k for k, _ in cols]) for r in rows]
+    numeric = [any(isinstance(r.get(k), (int, float)) for r in rows) for k, _ in cols]
+    if not has_module("rich"):
+        widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (_, h) in enumerate(cols)]
+
+        def line(values):
+            return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+        return "\n".join([title, line([h for _, h in cols])] + [line(c) for c in cells]) + "\n"
+    import io
+
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(width=None if sys.stdout.isatty() else 250)  # logs keep every column
-    cols = table_columns(rows, columns)
     table = Table(title=title, show_lines=False)
-    for c in cols:
-        numeric = rows and isinstance(next((r[c] for r in rows if c in r), None), (int, float))
-        table.add_column(c, justify="right" if numeric else "left")
-    for r in rows:
-        table.add_row(*row_cells(r, cols))
-    console.print(table)
+    for (_, header), num in zip(cols, numeric):
+        table.add_column(header, justify="right" if num else "left")
+    for c in cells:
+        table.add_row(*c)
+    buffer = io.StringIO()
+    Console(file=buffer, width=width or 1000, force_terminal=False, color_system=None).print(table)
+    text = buffer.getvalue()
+    return text if width else "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
 
 
-def markdown_table(rows: list[dict], columns: Iterable[str] | None = None) -> str:
+def print_table(rows: list[dict], title: str, columns: Iterable[Column] | None = None,
+                width: int | None = TABLE_WIDTH) -> None:
+    """:func:`table_text`, printed."""
+    sys.stdout.write(table_text(rows, title, columns, width))
+
+
+def markdown_table(rows: list[dict], columns: Iterable[Column] | None = None) -> str:
     """The same table as :func:`print_table`, as GitHub markdown (for notes and result files)."""
     cols = table_columns(rows, columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(row_cells(r, cols)) + " |" for r in rows]
+    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(row_cells(r, [k for k, _ in cols])) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -330,7 +502,7 @@ def write_json(path: Path, meta: dict[str, Any], rows: list[dict]) -> Path:
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # optional: bench.py turns its ImportError into a note
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt

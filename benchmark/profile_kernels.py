@@ -1,7 +1,7 @@
 """Kernel-by-kernel GPU time of the floor's three GEMMs and of flce steps, in one process.
 
 GPU only. Usage: PYTHONPATH=src python benchmark/profile_kernels.py [--shape 8192x4096x128256]
-[--chunk-sizes default,8192] [--accum-dtype bfloat16]. Prints, per variant, the summed CUDA time of each kernel name over
+[--chunk-sizes default,8192] [--accum-dtype bfloat16] [--low-memory]. Prints, per variant, the summed CUDA time of each kernel name over
 ``--steps`` steps and the wall time per step, so the gap between a step and its kernels is visible.
 """
 
@@ -44,6 +44,7 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--accum-dtype", default=None, choices=[None, "bfloat16", "float32"],
                    help="flce's grad_weight accumulator (bfloat16 with --chunk-sizes 512: the lean setting)")
+    p.add_argument("--low-memory", action="store_true", help="also profile low_memory=True")
     args = p.parse_args()
     bt, hidden, vocab = map(int, args.shape.split("x"))
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -70,6 +71,13 @@ def main():
             flce.linear_cross_entropy(x, w, t, chunk_size=chunk, accum_dtype=accum).backward()
 
         _run(f"flce chunk_size={spec}", step, args.steps)
+        torch.cuda.empty_cache()
+    if args.low_memory:
+        def low_memory_step():
+            x.grad = w.grad = None
+            flce.linear_cross_entropy(x, w, t, low_memory=True).backward()
+
+        _run("flce low_memory=True", low_memory_step, args.steps)
         torch.cuda.empty_cache()
     big = torch.empty(bt, vocab, device=dev, dtype=dt)
     _run("floor again", floor, args.steps)

@@ -1,15 +1,21 @@
 """Fused linear + cross-entropy suite: flce against eager, torch.compile, peers and the GEMM floor.
 
 Every method computes ``mean cross_entropy(x @ W.T, t)`` with x: (BT, H), W: (V, H), t: (BT,).
-"fwd" times the loss alone (no autograd); "fwd+bwd" times the loss and both gradients
-(``torch.autograd.grad``, so nothing accumulates across repetitions and the returned gradients are
-alive at the memory peak). ``floor`` is the three GEMMs alone: logits, grad_input, grad_weight.
+"fwd" times the loss alone (no autograd); "fwd+bwd" times a training step's loss and both gradients:
+each step gets a fresh activation x (a new leaf, made outside the timing) and calls
+``torch.autograd.grad``, so nothing accumulates across repetitions and the returned gradients are
+alive at the memory peak. ``floor`` is the three GEMMs alone: logits, grad_input, grad_weight.
+Times are the worse of two readings (``common.measure_steps``): each method in its own running loop,
+and all methods of the cell taking turns call by call.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import math
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -17,13 +23,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from common import (MB, NAN, copy_bandwidth_gbs, free_memory, is_oom, make_row, measure_interleaved, plot_bars,
+from common import (MB, NAN, TIMINGS, copy_bandwidth_gbs, free_memory, is_oom, make_row, measure_steps, plot_bars,
                     plot_lines, progress)
 
 NAME = "lce"
-COLUMNS = ["sweep", "method", "mode", "dtype", "shape", "median_ms", "tflops", "x_floor", "peak_mb",
-           "overhead_mb", "byte_floor_ms", "x_byte_floor", "grad_w_err", "x_rounding", "ignored",
-           "x_all_valid", "status"]
+COLUMNS = ["sweep", "method", "mode", "dtype", "shape", "median_ms", "ms_loop", "ms_mixed", "tflops", "x_floor",
+           "x_floor_loop", "x_floor_mixed", "peak_mb", "overhead_mb", "byte_floor_ms", "x_byte_floor", "grad_w_err",
+           "x_rounding", "ignored", "x_all_valid", "status"]
 FLOOR = "floor"
 LEAN_BUFFER_MB = 128  # flce-lean: logits buffer of about this size (--lean-mb)
 BYTE_FLOOR_MAX_BT = 256  # the byte floor column is shown up to this many rows
@@ -62,13 +68,13 @@ SWEEPS: dict[str, Callable[[bool], list[Cell]]] = {
     "precision": lambda quick: [Cell("precision", 32768, 1024, 32000, FB, precision=True),
                                 Cell("precision", 16384, 2048, 65536, FB, precision=True)],
     "ignore": lambda quick: [Cell("ignore", 8192, **LLAMA3, modes=FB, ignored=share) for share in (0.0, 0.5)],
-    # The embedded default without a GPU: small enough for the CPU, every column exercised.
-    "cpu": lambda quick: [Cell("cpu", 64, 128, 2000, dtype=torch.float32),
-                          Cell("cpu", 256, 128, 2000, precision=True, dtype=torch.float32),
-                          Cell("cpu", 256, 128, 2000, FB, ignored=0.5, dtype=torch.float32)],
+    # The embedded default without a GPU (a training step in float32, seconds a cell): logits of 8 and
+    # 32 MiB against a weight of 2 and 4 MiB, and the larger with half the targets ignored.
+    "cpu": lambda quick: [Cell("cpu", bt, 128, vocab, FB, ignored=ignored, precision=True, dtype=torch.float32)
+                          for bt, vocab, ignored in ((512, 4096, 0.0), (1024, 8192, 0.0), (1024, 8192, 0.5))],
 }
 GPU_SWEEPS = [s for s in SWEEPS if s != "cpu"]
-X_AXIS = {"headline": "BT", "vocab": "V", "hidden": "H", "cpu": "BT"}  # sweeps drawn as lines
+X_AXIS = {"headline": "BT", "vocab": "V", "hidden": "H"}  # sweeps drawn as lines
 
 
 # ---------------------------------------------------------------- methods
@@ -139,13 +145,44 @@ def _cce(x, w, t):
     return linear_cross_entropy(x, w, t)
 
 
-def _missing(module: str) -> Callable[[torch.device], str | None]:
-    def why(device: torch.device) -> str | None:
-        import importlib.util
+def _quack(x, w, t):
+    """quack-kernels' chunked linear cross-entropy, its base pipeline (logits GEMM, row kernel, two GEMMs
+    per chunk; ``use_scaled_exp=False``: the scaled-exp pipeline failed at H=4096)."""
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
 
+    return chunked_linear_cross_entropy(x, w, t, use_scaled_exp=False)
+
+
+def _trl(x, w, t):
+    """TRL's fused LM head (``trl.kernels.ChunkedLogProbFunction``) as its trainer calls it: the valid rows'
+    per-token log-probabilities (rows picked on a GPU, masked elsewhere), loss = -their mean. Taken from
+    its defining module, which ``flce.patches.trl``'s routing leaves alone: always TRL's own kernel."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    valid = t != -100
+    if x.is_cuda:
+        logp = ChunkedLogProbFunction.apply(x[valid], w, None, t[valid], 1.0, TRL_VOCAB_TILE, None, 1.0, ())[0]
+        return -logp.sum() / valid.sum().clamp(min=1)
+    logp = ChunkedLogProbFunction.apply(x, w, None, t.clamp(min=0), 1.0, TRL_VOCAB_TILE, None, 1.0, ())[0]
+    return -(logp * valid).sum() / valid.sum().clamp(min=1)
+
+
+TRL_VOCAB_TILE = 32768  # the vocabulary tile TRL's trainer passes (trl.trainer.utils)
+
+
+def _missing(module: str, cuda_only: bool = True, imports: str | None = None) -> Callable[[torch.device], str | None]:
+    """Why a peer cannot run here: not installed, not importable (``imports``: the module to try), or CPU."""
+    def why(device: torch.device) -> str | None:
         if importlib.util.find_spec(module) is None:
             return f"{module} is not installed"
-        return None if device.type == "cuda" else "needs CUDA"
+        if cuda_only and device.type != "cuda":
+            return "needs CUDA"
+        if imports:
+            try:
+                importlib.import_module(imports)
+            except Exception as exc:  # noqa: BLE001 - a broken optional install costs only its method
+                return f"cannot import {imports}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+        return None
 
     return why
 
@@ -159,13 +196,21 @@ METHODS: dict[str, LossFn | None] = {
     "torch-native": _torch_native,
     "liger": _liger,
     "cce": _cce,
+    "quack": _quack,
+    "trl": _trl,
     FLOOR: None,  # timed by _floor_fn
 }
+# Without --methods the CPU default runs these: flce-lean and flce-unchecked match flce on the CPU,
+# compile's C++ build takes ~30 s a cell, and TRL's CPU path (its torch fallback, ~5x the floor) is not
+# the Triton kernel its users run.
+CPU_METHODS = ["flce", "eager", "torch-native", FLOOR]
 UNAVAILABLE: dict[str, Callable[[torch.device], str | None]] = {
     "torch-native": lambda device: None if hasattr(F, "linear_cross_entropy")
     else f"torch {torch.__version__} has no F.linear_cross_entropy",
     "liger": _missing("liger_kernel"),
     "cce": _missing("cut_cross_entropy"),
+    "quack": _missing("quack", imports="quack.linear_cross_entropy"),
+    "trl": _missing("trl", cuda_only=False, imports="trl.kernels.chunked_logprob"),
 }
 
 
@@ -181,7 +226,12 @@ def _floor_fn(x, w, mode: str) -> Callable[[], object]:
     return three_gemms
 
 
-def _loss_fn(method: str, x, w, t, mode: str) -> Callable[[], object]:
+def _make_step(method: str, x, w, t, mode: str) -> Callable[[], Callable[[], object]]:
+    """A function that prepares one step and returns the call to time (``common.timed_steps``).
+
+    fwd+bwd: each step takes a fresh activation (a new leaf copy of x, made before the timing starts), as
+    a training step gets new hidden states, and returns both gradients from ``torch.autograd.grad``.
+    """
     loss = METHODS[method]
     if mode == "fwd":
         x0, w0 = x.detach(), w.detach()
@@ -190,8 +240,13 @@ def _loss_fn(method: str, x, w, t, mode: str) -> Callable[[], object]:
             with torch.no_grad():
                 return loss(x0, w0, t)
 
-        return forward
-    return lambda: torch.autograd.grad(loss(x, w, t), (x, w))
+        return lambda: forward
+
+    def step() -> Callable[[], object]:
+        x_step = x.detach().clone().requires_grad_()
+        return lambda: torch.autograd.grad(loss(x_step, w, t), (x_step, w))
+
+    return step
 
 
 # ---------------------------------------------------------------- precision
@@ -264,8 +319,16 @@ def _custom_cell(spec: str) -> Cell:
     return Cell("custom", *map(int, parts))
 
 
-def _methods(args) -> list[str]:
-    wanted = args.methods.split(",") if getattr(args, "methods", None) else list(METHODS)
+def _methods(args, cells: list[Cell]) -> list[str]:
+    chosen_by_user = bool(getattr(args, "methods", None))
+    if chosen_by_user:
+        wanted = args.methods.split(",")
+    elif all(c.sweep == "cpu" for c in cells):
+        wanted = CPU_METHODS
+        _note(args, f"lce: CPU default methods {', '.join(CPU_METHODS)} (--methods adds "
+                    f"{', '.join(m for m in METHODS if m not in CPU_METHODS)})")
+    else:
+        wanted = list(METHODS)
     unknown = [m for m in wanted if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown lce method(s) {unknown}; choose from {list(METHODS)}")
@@ -288,20 +351,36 @@ def _note(args, text: str) -> None:
 
 
 def run(args) -> list[dict]:
-    """Run the chosen sweeps; see the module docstring and benchmark/README.md for the columns."""
+    """Run the chosen sweeps; see the module docstring and benchmark/README.md for the columns.
+
+    ``args.time_limit`` (seconds, optional): no new cell starts after it; ``args.checkpoint(rows)``
+    (optional) is called after each cell, so a run cut short keeps what it measured.
+    """
     global LEAN_BUFFER_MB
     device = args.device
-    cells, methods = _cells(args), _methods(args)
+    started = time.monotonic()
+    cells = _cells(args)
+    methods = _methods(args, cells)
+    timing = getattr(args, "timing", None) or TIMINGS
+    unknown = [k for k in timing if k not in TIMINGS]
+    if unknown:
+        raise ValueError(f"unknown timing(s) {unknown}; choose from {list(TIMINGS)}")
     LEAN_BUFFER_MB = getattr(args, "lean_mb", None) or LEAN_BUFFER_MB
     if device.type != "cuda":
         what = "the small embedded CPU default" if all(c.sweep == "cpu" for c in cells) else "on the CPU"
-        _note(args, f"lce: not on a CUDA device, running {what} (times are not comparable with GPU results; "
-                    "memory columns need CUDA)")
+        _note(args, f"lce: no CUDA device, running {what}; times are not comparable with GPU results")
     bandwidth = copy_bandwidth_gbs(device, 1024 if device.type == "cuda" else 64)
     _note(args, f"lce: measured device-to-device copy bandwidth {bandwidth:.0f} GB/s")
-    rows = []
+    rows: list[dict] = []
+    limit = getattr(args, "time_limit", None)
+    checkpoint = getattr(args, "checkpoint", None)
     with progress(sum(len(c.modes) for c in cells) * len(methods), "lce") as step:
-        for cell in cells:
+        for i, cell in enumerate(cells):
+            if limit is not None and i and time.monotonic() - started > limit:
+                _note(args, f"lce: stopped at the time limit ({limit:.0f} s); cells not run: "
+                            + ", ".join(f"{c.shape}" + (f" ({c.ignored:.0%} ignored)" if c.ignored else "")
+                                        for c in cells[i:]))
+                break
             try:
                 rows += _run_cell(cell, methods, args, bandwidth, step)
             except Exception as exc:  # noqa: BLE001 - inputs or the float64 reference did not fit
@@ -309,6 +388,8 @@ def run(args) -> list[dict]:
                     raise
                 _note(args, f"lce: cell {cell.shape} {cell.dtype} skipped: out of memory for its inputs")
                 free_memory(device)
+            if checkpoint:
+                checkpoint(_add_ratios(rows))
     return _add_ratios(rows)
 
 
@@ -327,43 +408,50 @@ def _run_cell(cell: Cell, methods: list[str], args, bandwidth: float, step) -> l
         grad_mb = (x.numel() + w.numel()) * item / MB if mode == "fwd+bwd" else 0.0
         weight_passes = 3 if mode == "fwd+bwd" else 1  # read W (logits), read W (grad_input), write grad_W
         byte_floor = weight_passes * w.numel() * item / (bandwidth * 1e9) * 1e3
-        fns = {}
+        steps = {}
         for method in methods:
             if method == FLOOR:  # the unavoidable work: valid rows only
                 x_valid = x.detach()[t != -100] if cell.ignored else x.detach()
-                fns[method] = _floor_fn(x_valid, w.detach(), mode)
+                floor = _floor_fn(x_valid, w.detach(), mode)
+                steps[method] = lambda floor=floor: floor
             else:
-                fns[method] = _loss_fn(method, x, w, t, mode)
-        for method, measured in measure_interleaved(fns, args, flops).items():
+                steps[method] = _make_step(method, x, w, t, mode)
+        for method, measured in measure_steps(steps, args, flops, timings=getattr(args, "timing", None)).items():
             step(f"{cell.shape} {mode} {method}")
-            fn = fns[method]
             extras = dict(sweep=cell.sweep, dtype=str(cell.dtype).removeprefix("torch."), BT=cell.bt,
-                          H=cell.hidden, V=cell.vocab, ignored=cell.ignored,
+                          H=cell.hidden, V=cell.vocab, ignored=cell.ignored, cell=_cell_label(cell),
+                          ms_loop=measured.pop("ms_loop", None), ms_mixed=measured.pop("ms_mixed", None),
                           overhead_mb=measured["peak_mb"] - grad_mb,
                           byte_floor_ms=byte_floor if cell.bt <= BYTE_FLOOR_MAX_BT else None,
                           copy_gbs=bandwidth)
             if ref is not None and mode == "fwd+bwd" and method != FLOOR and measured["status"] == "ok":
-                extras.update(_precision(fn, ref, rounding, args))
+                extras.update(_precision(steps[method], ref, rounding, args))
             rows.append(make_row(NAME, method, mode, cell.shape, measured, **extras))
     del x, w, t, ref
     free_memory(device)
     return rows
 
 
-def _precision(fn, ref: torch.Tensor, rounding: float, args) -> dict:
+def _cell_label(cell: Cell) -> str:
+    """The shape, and the share of ignored targets where there are any (the compact table's cell column)."""
+    return cell.shape + (f" {cell.ignored:.0%} ign" if cell.ignored else "")
+
+
+def _precision(make_step, ref: torch.Tensor, rounding: float, args) -> dict:
     try:
-        _, grad_w = fn()
+        _, grad_w = make_step()()
         err = relative_error(grad_w, ref)
         return dict(grad_w_err=err, x_rounding=err / rounding if rounding > 0 else NAN)
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
-        _note(args, f"lce: precision check failed: {type(exc).__name__}: {exc}")
+        _note(args, f"lce: precision check failed: {type(exc).__name__}: {str(exc)[:160]}")
         return {}
     finally:
         free_memory(args.device)
 
 
 def _add_ratios(rows: list[dict]) -> list[dict]:
-    """x_floor (time / floor's time, same cell), x_byte_floor, x_all_valid (ignored cells vs all-valid)."""
+    """x_floor (time / floor's time, same cell: per reading, then the worse), x_byte_floor, x_all_valid
+    (ignored cells vs all-valid)."""
     def key(r, **override):
         k = dict(sweep=r["sweep"], mode=r["mode"], dtype=r["dtype"], shape=r["shape"], ignored=r["ignored"],
                  method=r["method"])
@@ -372,8 +460,14 @@ def _add_ratios(rows: list[dict]) -> list[dict]:
 
     by_key = {key(r): r for r in rows}
     for r in rows:
-        floor = by_key.get(key(r, method=FLOOR))
-        r["x_floor"] = _ratio(r["median_ms"], floor["median_ms"] if floor else NAN)
+        floor = by_key.get(key(r, method=FLOOR)) or {}
+        ratios = []
+        for reading in TIMINGS:
+            ms, floor_ms = r.get(f"ms_{reading}"), floor.get(f"ms_{reading}")
+            r[f"x_floor_{reading}"] = _ratio(ms, floor_ms) if ms is not None and floor_ms is not None else None
+            if r[f"x_floor_{reading}"] is not None and math.isfinite(r[f"x_floor_{reading}"]):
+                ratios.append(r[f"x_floor_{reading}"])
+        r["x_floor"] = max(ratios) if ratios else _ratio(r["median_ms"], floor.get("median_ms", NAN))
         r["x_byte_floor"] = _ratio(r["median_ms"], r["byte_floor_ms"]) if r["byte_floor_ms"] else None
         if r["ignored"]:
             base = by_key.get(key(r, ignored=0.0))
@@ -383,6 +477,23 @@ def _add_ratios(rows: list[dict]) -> list[dict]:
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b and math.isfinite(a) and math.isfinite(b) else NAN
+
+
+def compact_columns(rows: list[dict]) -> list[tuple[str, str]]:
+    """The default table (fits 100 columns): method, mode (when several), cell, time, x floor, peak memory,
+    grad_weight's error. ``--wide`` shows COLUMNS."""
+    cols = [("method", "method")]
+    if len({r["mode"] for r in rows}) > 1:
+        cols.append(("mode", "mode"))
+    return cols + [("cell", "shape"), ("median_ms", "ms"), ("x_floor", "x floor"), ("peak_mb", "peak MB"),
+                   ("grad_w_err", "grad err")]
+
+
+def title(rows: list[dict]) -> str:
+    """What every row of the compact table shares: modes and dtypes."""
+    modes = ", ".join(dict.fromkeys(r["mode"] for r in rows))
+    dtypes = ", ".join(dict.fromkeys(r["dtype"] for r in rows))
+    return f"lce ({modes}; {dtypes})"
 
 
 # ---------------------------------------------------------------- plots

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -14,10 +13,9 @@ TOL = {  # relative L2 error allowed against float64, by compute dtype
 }
 
 
-def reference_loss(x, weight, target, *, linear_bias=None, weight_cls=None, reduction="mean",
-                   ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
-                   num_items_in_batch=None):
-    """Loss in float64 on float64 copies of the (leaf) inputs; returns (loss, leaves)."""
+def reference_logits(x, weight, linear_bias=None, temperature=1.0, softcap=None):
+    """(z, leaves): the logits after temperature and softcap in float64, on float64 copies of the inputs
+    (leaves that require grad where the inputs do)."""
     leaves = [None if t is None else t.detach().double().requires_grad_(t.requires_grad)
               for t in (x, weight, linear_bias)]
     x64, w64, b64 = leaves
@@ -27,6 +25,14 @@ def reference_loss(x, weight, target, *, linear_bias=None, weight_cls=None, redu
     z = logits / temperature
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
+    return z, leaves
+
+
+def reference_loss(x, weight, target, *, linear_bias=None, weight_cls=None, reduction="mean",
+                   ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0,
+                   num_items_in_batch=None):
+    """Loss in float64 on float64 copies of the (leaf) inputs; returns (loss, leaves)."""
+    z, leaves = reference_logits(x, weight, linear_bias, temperature, softcap)
     vocab = weight.shape[0]
     z2, t1 = z.reshape(-1, vocab), target.reshape(-1).long()
     cw = weight_cls.double() if weight_cls is not None else None
@@ -106,19 +112,3 @@ class DropGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return None
-
-
-def twin_computes_in_float64() -> bool:
-    """Whether the torch twin of the CE kernel does float64 arithmetic for float64 logits (the math
-    dtype contract); float32 arithmetic would put ~1e-8 in a loss that float64 gets to ~1e-16."""
-    from flce.kernels.ce_torch import ce_chunk_torch
-    from flce.options import LossOptions
-
-    logits = torch.tensor([[0.0, 1e-9, -3.0]], dtype=torch.float64)
-    loss, lse = torch.empty(1, dtype=torch.float64), torch.empty(1, dtype=torch.float64)
-    ce_chunk_torch(logits.clone(), torch.tensor([1]), loss, lse, None, None, None, None, LossOptions())
-    return abs(loss.item() - (torch.logsumexp(logits, 1) - 1e-9).item()) < 1e-14
-
-
-needs_float64_twin = pytest.mark.xfail(not twin_computes_in_float64(), strict=True,
-                                       reason="the torch twin of the CE kernel computes in float32 here")

@@ -41,7 +41,7 @@ def check(backend, dtype, device, shape=(37,), hidden=24, vocab=300, reduction="
                                ignore_index=opts.get("ignore_index", -100))
     loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, reduction=reduction,
                                      backend=backend, **opts)
-    opts.pop("chunk_size", None), opts.pop("accum_dtype", None)
+    opts.pop("chunk_size", None), opts.pop("accum_dtype", None), opts.pop("low_memory", None)
     ref, (x64, w64, b64) = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, reduction=reduction, **opts)
     tol = TOL[dtype]
     assert loss.dtype == torch.float32 and loss.shape == ref.shape

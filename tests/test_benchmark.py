@@ -20,11 +20,11 @@ import suite_lce  # noqa: E402
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _bench(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="")
+def _bench(tmp_path: Path, *flags: str, pythonpath: str = "") -> tuple[subprocess.CompletedProcess, dict]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (pythonpath, str(ROOT / "src")) if p),
+               CUDA_VISIBLE_DEVICES="")
     env.pop("OUT", None)
-    # The timeout only guards against a hang: ~1 minute alone on a CI machine, but over 170 s on a GPU
-    # machine running the suite in 6 workers (torch.compile's first CPU build of the eager method).
+    # The timeout only guards against a hang (a busy 2-core machine took ~2 minutes for the CPU default).
     proc = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench.py"), "--out", str(tmp_path), *flags],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -35,53 +35,112 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
+def _first_table(stdout: str) -> list[str]:
+    """The lines of the first table printed: from its title to the next note or the closing line."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("lce ("))
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith(("note:", "wrote "))), len(lines))
+    return lines[start:end]
+
+
 def test_cli_cpu_default(tmp_path):
-    proc, result = _bench(tmp_path)
+    proc, result = _bench(tmp_path, "--reps", "1", "--warmup", "0")
     meta, rows = result["meta"], result["rows"]
     assert meta["device_type"] == "cpu" and meta["torch"] == torch.__version__ and meta["date"]
     assert any("CPU default" in n for n in meta["notes"])  # says it is not the GPU run
 
-    expected = {"flce", "flce-lean", "flce-unchecked", "eager", "compile", "floor"}
-    if hasattr(torch.nn.functional, "linear_cross_entropy"):
-        expected.add("torch-native")
+    expected = set(suite_lce.CPU_METHODS)
+    if not hasattr(torch.nn.functional, "linear_cross_entropy"):
+        expected.discard("torch-native")
     assert {r["method"] for r in rows} == expected
-    assert {r["mode"] for r in rows} == {"fwd", "fwd+bwd"}
+    assert {r["mode"] for r in rows} == {"fwd+bwd"}
     for r in rows:
         assert r["status"] == "ok", r
-        assert _finite(r["median_ms"]) and r["median_ms"] > 0
-        assert _finite(r["tflops"]) and r["tflops"] > 0
-        assert _finite(r["x_floor"]) and r["x_floor"] > 0
-        assert r["peak_mb"] is None  # NaN on the CPU, stored as null
-        assert _finite(r["byte_floor_ms"]) and r["byte_floor_ms"] > 0
-        flops = (6 if r["mode"] == "fwd+bwd" else 2) * r["BT"] * (1 - r["ignored"]) * r["H"] * r["V"]
+        for key in ("median_ms", "ms_loop", "ms_mixed", "tflops", "x_floor", "peak_mb"):
+            assert _finite(r[key]) and r[key] > 0, (key, r)
+        assert r["median_ms"] == max(r["ms_loop"], r["ms_mixed"])  # the worse of the two readings
+        flops = 6 * r["BT"] * (1 - r["ignored"]) * r["H"] * r["V"]
         assert r["tflops"] == pytest.approx(flops / (r["median_ms"] * 1e-3) / 1e12, rel=1e-6)
+        # Every method returns both gradients, alive at the peak: at least their float32 bytes.
+        assert r["peak_mb"] * common.MB >= 4 * (r["BT"] * r["H"] + r["V"] * r["H"])
     assert all(r["x_floor"] == 1 for r in rows if r["method"] == "floor")
+
+    # Memory is what flce is for: one logits buffer that becomes its gradient, where eager keeps the
+    # logits, their log-softmax and its gradient (3 x 32 MiB at 1024 x 8192 in float32).
+    peak = {(r["method"], r["cell"]): r["peak_mb"] for r in rows}
+    logits_mb = 1024 * 8192 * 4 / common.MB
+    assert peak["flce", "1024x128x8192"] < peak["eager", "1024x128x8192"] - logits_mb
+    assert peak["flce", "1024x128x8192 50% ign"] < peak["flce", "1024x128x8192"]  # ignored rows are dropped
 
     precise = [r for r in rows if "grad_w_err" in r]
     assert {r["method"] for r in precise} == expected - {"floor"}
     for r in precise:  # fp32 methods: far below bf16 rounding, yet not exactly the float64 result
         assert 0 < r["grad_w_err"] < 1e-4 and _finite(r["x_rounding"]) and r["x_rounding"] > 0
-
     halves = [r for r in rows if r["ignored"] == 0.5]
     assert {r["method"] for r in halves} == expected
     assert all(_finite(r["x_all_valid"]) and r["x_all_valid"] > 0 for r in halves)
 
-    plots = sorted(tmp_path.glob("*.png"))
-    assert [p.name for p in plots] == ["lce_cpu_fwd.png", "lce_cpu_fwdbwd.png"]
-    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in plots)
-    table = proc.stdout
-    assert "lce on" in table and all(m in table for m in expected)
+    table = _first_table(proc.stdout)
+    assert max(len(line) for line in table) <= common.TABLE_WIDTH
+    for header in ("method", "shape", "ms", "x floor", "peak MB", "grad err"):
+        assert header in table[2] or header in table[1], header
+    assert all(any(m in line for line in table) for m in expected)
     assert "| flce |" in (tmp_path / "results.md").read_text()
+    plots = sorted(tmp_path.glob("*.png"))
+    assert [p.name for p in plots] == ["lce_cpu_fwdbwd.png"] and plots[0].read_bytes()[:8] == PNG_MAGIC
 
 
 def test_cli_reports_missing_suite_and_filters(tmp_path):
     _, result = _bench(tmp_path, "--suite", "lce,nosuchsuite", "--shapes", "48x32x300", "--methods",
-                       "flce,floor,liger", "--modes", "fwd", "--reps", "1", "--warmup", "0", "--no-plots")
-    notes = "\n".join(result["meta"]["notes"])
-    assert "suite nosuchsuite skipped" in notes and "liger skipped" in notes
+                       "flce,floor,liger,quack", "--modes", "fwd", "--reps", "1", "--warmup", "0", "--no-plots")
+    notes = result["meta"]["notes"]
+    assert all("\n" not in n for n in notes)  # one line each
+    joined = "\n".join(notes)
+    assert "suite nosuchsuite skipped" in joined and "liger skipped" in joined and "quack skipped" in joined
     assert [(r["method"], r["mode"], r["shape"]) for r in result["rows"]] == [
         ("flce", "fwd", "48x32x300"), ("floor", "fwd", "48x32x300")]
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_cli_without_rich_and_matplotlib(tmp_path):
+    """Optional packages cost only their part: plain tables, no plots, a one-line note each."""
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    for name in ("rich", "matplotlib"):
+        (blocked / f"{name}.py").write_text(f"raise ImportError('{name} blocked for this test')\n")
+    out = tmp_path / "out"
+    proc, result = _bench(out, "--shapes", "48x32x300,64x32x400", "--methods", "flce,eager,floor", "--modes",
+                          "fwd+bwd", "--reps", "1", "--warmup", "0", "--time-limit", "0.000001",
+                          pythonpath=str(blocked))
+    notes = result["meta"]["notes"]
+    assert any("matplotlib is not installed" in n for n in notes) and any("rich is not installed" in n for n in notes)
+    assert any("stopped at the time limit" in n and "64x32x400" in n for n in notes)  # the first cell always runs
+    assert {r["shape"] for r in result["rows"]} == {"48x32x300"}
+    assert not list(out.glob("*.png")) and "| flce |" in (out / "results.md").read_text()
+    table = _first_table(proc.stdout)
+    assert "┏" not in proc.stdout and max(len(line) for line in table) <= common.TABLE_WIDTH
+    assert table[1].split() == ["method", "shape", "ms", "x", "floor", "peak", "MB"]
+
+
+def test_results_are_written_before_the_plots(tmp_path, monkeypatch):
+    """A figure that fails (or a matplotlib that crashes) costs the figure, not the numbers."""
+    import bench
+
+    seen = {}
+
+    def plot(rows, out_dir):
+        seen["rows"] = json.loads((out_dir / "results.json").read_text())["rows"]
+        seen["md"] = (out_dir / "results.md").read_text()
+        raise RuntimeError("figure failed")
+
+    monkeypatch.setattr(suite_lce, "plot", plot)
+    monkeypatch.setattr(common, "has_module", lambda name: True)
+    monkeypatch.setattr(bench, "has_module", lambda name: True)
+    code = bench.main(["--out", str(tmp_path), "--device", "cpu", "--shapes", "40x16x200", "--methods", "flce,floor",
+                       "--modes", "fwd", "--reps", "1", "--warmup", "0"])
+    assert code == 0 and len(seen["rows"]) == 2 and "| flce |" in seen["md"]
+    assert any("plots of lce failed: RuntimeError" in n
+               for n in json.loads((tmp_path / "results.json").read_text())["meta"]["notes"])
 
 
 def test_bad_sweep_and_method_names_raise():
@@ -91,7 +150,7 @@ def test_bad_sweep_and_method_names_raise():
         suite_lce._cells(args)
     args.methods = "flce,nosuch"
     with pytest.raises(ValueError, match="unknown lce method"):
-        suite_lce._methods(args)
+        suite_lce._methods(args, [])
     args.sweep, args.dtype = None, "bf17"
     with pytest.raises(ValueError, match="unknown dtype"):
         suite_lce._cells(args)
@@ -123,7 +182,69 @@ def test_measure_turns_errors_into_status():
     assert common.measure(oom, args, 1.0)["status"] == "OOM"
     assert common.measure(broken, args, 1.0)["status"].startswith("error: ValueError: bad shape")
     ok = common.measure(lambda: torch.ones(8).sum(), args, 1e6)
-    assert ok["status"] == "ok" and ok["median_ms"] > 0 and math.isnan(ok["peak_mb"])
+    assert ok["status"] == "ok" and ok["median_ms"] > 0 and ok["peak_mb"] >= 32 / common.MB  # ones(8): 32 bytes
+
+
+def test_cpu_peak_memory_follows_allocations_in_time_order():
+    """The peak is the most held at once: not the sum of everything allocated, not what is left at the end."""
+    def step():
+        a = torch.empty(10**6)  # 4 MB
+        b = torch.empty(5 * 10**5)  # 2 MB: 6 MB held
+        del a
+        torch.empty(25 * 10**4)  # 1 MB, freed at once: 3 MB held
+        return b  # alive at the end
+
+    assert common.cpu_peak_extra_bytes(step) == 6 * 10**6
+    assert common.cpu_peak_extra_bytes(lambda: torch.empty(10**6)) == 4 * 10**6
+    assert common.cpu_peak_extra_bytes(lambda: None) == 0
+
+    def temporary_inside_one_op():
+        return torch.ones(1000, 1000).sum()  # the 4 MB ones live only inside this line
+
+    assert common.cpu_peak_extra_bytes(temporary_inside_one_op) >= 4 * 10**6
+
+
+def test_measure_steps_takes_both_readings_with_fresh_inputs():
+    """Each timed call gets its own make_call() (fresh inputs); the reported time is the worse reading;
+    a method failing in the mixed rounds alone is reported, the others still measured."""
+    args = types.SimpleNamespace(device=torch.device("cpu"), warmup=1, reps=3)
+    made = {"a": 0, "b": 0, "c": 0}
+    calls = {"c": 0}
+
+    def maker(name):
+        def make():
+            made[name] += 1
+            if name == "c":
+                calls["c"] += 1
+                if calls["c"] > 6:  # first call, memory, 1 + 3 loop calls pass; the mixed rounds fail
+                    return lambda: 1 / 0
+            return lambda: torch.ones(1000).sum()
+        return make
+
+    out = common.measure_steps({n: maker(n) for n in made}, args, 1e6, timings=("loop", "mixed"))
+    for name in ("a", "b"):
+        r = out[name]
+        assert r["status"] == "ok" and made[name] == 2 + (1 + 3) + (1 + 3)
+        assert r["median_ms"] == max(r["ms_loop"], r["ms_mixed"]) > 0 and r["peak_mb"] > 0
+    assert out["c"]["status"].startswith("error: ZeroDivisionError") and math.isnan(out["c"]["median_ms"])
+
+
+def test_compact_table_fits_100_columns(monkeypatch):
+    rows = []
+    for method in suite_lce.METHODS:
+        for mode in ("fwd", "fwd+bwd"):
+            rows.append(dict(method=method, mode=mode, dtype="bfloat16", shape="32768x4096x256000",
+                             cell="32768x4096x256000 50% ign",
+                             median_ms=123456.7, x_floor=12.3456, peak_mb=51234.5, grad_w_err=1.234e-05,
+                             status="ok" if method != "cce" else "error: RuntimeError: something long " * 5))
+    cols = suite_lce.compact_columns(rows)
+    assert [h for _, h in cols] == ["method", "mode", "shape", "ms", "x floor", "peak MB", "grad err"]
+    for rich in (True, False):
+        monkeypatch.setattr(common, "has_module", lambda name, rich=rich: rich)
+        text = common.table_text(rows, suite_lce.title(rows), cols)
+        assert max(map(len, text.splitlines())) <= common.TABLE_WIDTH
+        assert "32768x4096x256000 50% ign" in text and "flce-unchecked" in text and "1.23e-05" in text
+        assert ("┏" in text) == rich
 
 
 def test_json_has_no_nan(tmp_path):
@@ -144,3 +265,20 @@ def test_flce_grad_weight_precision_bf16(bt, hidden, vocab):
     rounding = suite_lce.relative_error(ref.to(torch.bfloat16), ref)
     _, grad_w = torch.autograd.grad(flce.linear_cross_entropy(x, w, t), (x, w))
     assert suite_lce.relative_error(grad_w, ref) <= 1.25 * rounding
+
+
+@pytest.mark.gpu
+def test_cli_gpu_takes_both_readings(tmp_path):
+    """On a GPU: every method gets a loop and a mixed reading (CUDA events), the table the worse."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench.py"), "--out", str(tmp_path), "--shapes",
+                           "1024x512x8192", "--methods", "flce,eager,trl,quack,floor", "--modes", "fwd+bwd",
+                           "--reps", "3", "--no-plots"], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {"flce", "eager", "floor"} <= {r["method"] for r in rows}
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert _finite(r["ms_loop"]) and _finite(r["ms_mixed"]) and r["median_ms"] == max(r["ms_loop"], r["ms_mixed"])
+        assert _finite(r["peak_mb"]) and r["peak_mb"] > 0

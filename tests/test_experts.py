@@ -193,7 +193,6 @@ def eager_experts(gate_up, down, impl="eager"):
 
 
 def test_registered_with_transformers():
-    assert fx.REGISTERED and "flce" in ALL_EXPERTS_FUNCTIONS
     assert ALL_EXPERTS_FUNCTIONS["flce"] is fx.flce_experts_forward
 
 
@@ -254,8 +253,9 @@ def test_tiny_mixtral_loss_aux_loss_and_grads_match_eager(monkeypatch):
     (loss_e, aux_e, router_e, grads_e), (loss_f, aux_f, router_f, grads_f) = results["eager"], results["flce"]
     assert_close(loss_f, loss_e, 1e-6, "loss")
     assert_close(aux_f, aux_e, 1e-6, "aux loss")
-    for r_f, r_e in zip(router_f, router_e):
-        assert torch.equal(r_f, r_e)
+    assert len(router_f) == len(router_e) == cfg.num_hidden_layers
+    for layer, (r_f, r_e) in enumerate(zip(router_f, router_e)):  # later layers see the experts' rounding
+        assert_close(r_f, r_e, TOL[r_e.dtype], f"router logits {layer}")
     assert grads_f.keys() == grads_e.keys() and any("experts" in n for n in grads_f)
     for name in grads_e:
         assert_close(grads_f[name], grads_e[name], 1e-5, name)

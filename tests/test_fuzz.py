@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from reference import TOL, assert_loss_close, needs_float64_twin, reference_loss
+from reference import TOL, assert_loss_close, reference_loss
 from test_grouped_loss import grouped_reference
 
 import flce
@@ -55,11 +55,12 @@ def grad_floors(reference, grad_out, opts) -> list:
     return [leaf.grad.norm().item() if leaf is not None else 0.0 for leaf in ref_leaves]
 
 
-def assert_grad_close(got, want, tol, floor, what):
-    """||got - want|| <= tol * max(||want||, floor)."""
+def assert_grad_close(got, want, tol, floor, what, atol=0.0):
+    """||got - want|| <= tol * max(||want||, floor) + atol (atol: rounding noise where the gradient is an
+    exact 0, e.g. V = 1, whose terms cancel to a few ulps of O(1) values)."""
     err = (got.detach().double().cpu() - want.double().cpu()).norm().item()
-    scale = max(want.norm().item(), floor)
-    assert not got.isnan().any() and err <= tol * scale, f"{what}: error {err:.3g} > {tol:.3g} * {scale:.3g}"
+    bound = tol * max(want.norm().item(), floor) + atol
+    assert not got.isnan().any() and err <= bound, f"{what}: error {err:.3g} > {bound:.3g}"
 
 
 def num_items_for(t, choice):
@@ -153,7 +154,6 @@ def test_grouped_random_cases_match_reference(B, G, hidden, vocab, group_major, 
             assert_grad_close(got, want, 1e-4, floor, f"grad_{name}")
 
 
-@needs_float64_twin
 @given(
     n=st.integers(0, 30), hidden=st.integers(1, 16), vocab=st.integers(1, 200),
     chunk=st.one_of(st.none(), st.integers(1, 8)), ignore=st.floats(0.0, 1.0), bias=st.booleans(),
@@ -180,7 +180,7 @@ def test_float64_cases_match_reference_to_float64_rounding(n, hidden, vocab, chu
     for got, leaf, floor, name in zip((x, w, b), ref_leaves, floors, ("input", "weight", "bias")):
         if got is not None:
             assert got.grad.dtype == torch.float64
-            assert_grad_close(got.grad, leaf.grad, 1e-9, floor, f"grad_{name}")
+            assert_grad_close(got.grad, leaf.grad, 1e-9, floor, f"grad_{name}", atol=1e-13)
 
 
 @pytest.mark.gpu

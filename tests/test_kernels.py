@@ -138,3 +138,97 @@ def test_kernel_finishes_the_mean_of_all_ignored_and_bad_targets(backend, device
     counts, _, total, grad = finish(target)
     assert counts == [70, 2] and total != total  # a bad target never gives a plausible mean
     assert torch.isnan(grad[3]).all() and torch.isfinite(grad[4]).all()
+
+
+# ---------------------------------------------------------------- the torch twin against float64 autograd
+
+def _row_reference(logits, target, opts, class_weight, scale):
+    """Per-row loss, lse, argmax hit and d(sum scale * loss)/d logits, by float64 autograd on the logits."""
+    z0 = logits.detach().double().requires_grad_()
+    z = z0 / opts.temperature
+    if opts.softcap is not None:
+        z = opts.softcap * torch.tanh(z / opts.softcap)
+    cw = class_weight.double() if class_weight is not None else None
+    rows = torch.nn.functional.cross_entropy(z, target, weight=cw, ignore_index=opts.ignore_index,
+                                             label_smoothing=opts.label_smoothing, reduction="none")
+    valid = target != opts.ignore_index
+    lse = torch.logsumexp(z, 1)
+    rows = rows + opts.z_loss * lse.square() * valid
+    (grad,) = torch.autograd.grad((rows * scale.double()).sum(), z0)
+    hit = (z.argmax(1) == target) & valid
+    return rows.detach(), torch.where(valid, lse, 0.0).detach(), hit.double(), grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("opts", [
+    LossOptions(),
+    LossOptions(label_smoothing=0.1, z_loss=1e-2),
+    LossOptions(softcap=2.5, temperature=0.8, ignore_index=3),
+])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_torch_twin_matches_float64_autograd(dtype, opts, weighted, monkeypatch):
+    import flce.kernels.ce_torch as ce_torch
+
+    monkeypatch.setattr(ce_torch, "BLOCK_ELEMENTS", 3 * 257)  # 3 rows per block: several blocks, a short last one
+    n, vocab = 11, 257
+    logits = (torch.randn(n, vocab, dtype=torch.float64) * 3).to(dtype)
+    target = torch.randint(0, vocab, (n,))
+    target[[1, 6]] = opts.ignore_index
+    cw = torch.rand(vocab, dtype=torch.float64) + 0.5 if weighted else None
+    scale = torch.rand(n, dtype=torch.float64) + 0.5  # per-row grad_output
+    out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    buf = logits.clone()
+    loss, lse, correct = (torch.full((n,), float("nan"), dtype=out_dtype) for _ in range(3))
+    cw_k = cw.to(out_dtype) if weighted else None
+    ce_torch.ce_chunk_torch(buf, target, loss, lse, correct, cw_k, cw_k.sum() if weighted else None,
+                            scale.to(out_dtype), opts)
+
+    want_loss, want_lse, want_hit, want_grad = _row_reference(logits, target, opts, cw_k, scale)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-5}[dtype]
+    assert torch.allclose(loss.double(), want_loss, rtol=tol, atol=tol)
+    assert torch.allclose(lse.double(), want_lse, rtol=tol, atol=tol)
+    assert torch.equal(correct.double(), want_hit)
+    grad_tol = 2 ** -7 if dtype == torch.bfloat16 else tol  # the gradient is stored in the logits' dtype
+    assert buf.dtype == dtype
+    assert torch.allclose(buf.double(), want_grad, rtol=grad_tol, atol=grad_tol * want_grad.abs().max().item())
+    assert torch.all(buf[[1, 6]] == 0)  # ignored rows: exact zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_twin_loss_alone_leaves_logits_untouched(dtype):
+    from flce.kernels.ce_torch import ce_chunk_torch
+
+    opts = LossOptions(temperature=0.7)
+    logits = (torch.randn(5, 300) * 2).to(dtype)
+    target = torch.randint(0, 300, (5,))
+    buf, loss, lse = logits.clone(), torch.empty(5), torch.empty(5)
+    ce_chunk_torch(buf, target, loss, lse, None, None, None, None, opts)
+    want_loss, want_lse, _, _ = _row_reference(logits, target, opts, None, torch.ones(5))
+    assert torch.equal(buf, logits)
+    assert torch.allclose(loss.double(), want_loss, rtol=1e-5) and torch.allclose(lse.double(), want_lse, rtol=1e-5)
+
+
+def test_torch_twin_empty_vocabulary_and_rows():
+    from flce.kernels.ce_torch import ce_chunk_torch
+
+    opts = LossOptions()
+    target = torch.tensor([0, -100, 2])
+    buf, loss, lse, correct = torch.empty(3, 0), torch.empty(3), torch.empty(3), torch.empty(3)
+    ce_chunk_torch(buf, target, loss, lse, correct, None, None, torch.ones(()), opts)
+    # No class exists: a counted row's target is out of range (NaN, as the kernel), an ignored row is 0.
+    assert torch.isnan(loss[[0, 2]]).all() and loss[1] == 0 and lse[1] == 0 and correct.tolist() == [0, 0, 0]
+    empty = torch.empty(0, 7)
+    ce_chunk_torch(empty, torch.empty(0, dtype=torch.int64), torch.empty(0), torch.empty(0), None, None, None,
+                   torch.ones(()), opts)
+
+
+def test_torch_twin_infinite_logits():
+    """A +inf logit gives NaN (never a finite or infinite loss); a row of -inf gives lse -inf."""
+    from flce.kernels.ce_torch import ce_chunk_torch
+
+    logits = torch.randn(3, 6)
+    logits[0, 2] = float("inf")
+    logits[1] = float("-inf")
+    buf, loss, lse = logits.clone(), torch.empty(3), torch.empty(3)
+    ce_chunk_torch(buf, torch.tensor([1, 1, 1]), loss, lse, None, None, None, torch.ones(()), LossOptions())
+    assert torch.isnan(loss[0]) and torch.isnan(loss[1]) and lse[1] == float("-inf") and torch.isfinite(loss[2])

@@ -10,8 +10,10 @@ from torch import nn
 from .checks import check_and_compact, check_class_weight, check_tensors, compute_dtype, flat_targets, raise_bad_targets
 from .distributed import dtensor_locals, is_dtensor, vocab_parallel_linear_cross_entropy
 from .function import LinearCrossEntropyFunction, LoopSpec, chunk_loop
+from .import_hooks import compile_disabled
 from .kernels import math_dtype, resolve_backend
 from .kernels.targets import count_targets
+from .low_memory import LowMemoryFunction, check_low_memory, low_memory_plan
 from .options import LossOptions, check_run_options
 from .planner import ChunkPlan, plan_chunks, weight_grad_hidden
 from .reduction import LossStats, loss_stats, reduction_scale, scatter_rows
@@ -37,7 +39,7 @@ def _loss_options(*args) -> LossOptions:
         return LossOptions(*args)  # raises the clear error for a value of the wrong type
 
 
-@torch.compiler.disable  # data-dependent control flow and Triton launches: one graph break, exact result
+@compile_disabled  # data-dependent control flow and Triton launches: one graph break, exact result
 def linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -57,6 +59,7 @@ def linear_cross_entropy(
     backend: str = "auto",
     return_stats: bool = False,
     validate_target: bool = True,
+    low_memory: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, LossStats]:
     """Cross-entropy of ``input @ linear_weight.T + linear_bias`` without materializing the logits.
 
@@ -87,8 +90,14 @@ def linear_cross_entropy(
             and raises in forward or, at the latest, in backward (the loss is NaN until then); ignored
             rows are then computed and zeroed, as in eager PyTorch. False makes the call sync-free
             (CUDA-graph capture): targets are trusted, and a target outside [0, V) gives a NaN loss.
+        low_memory: the precise low-memory mode (``low_memory.py``): a small buffer above the gradients,
+            grad_weight rounded once, one more GEMM (the logits recomputed in backward); chunk_size then
+            sets forward's rows per chunk; no accum_dtype, no DTensor weight.
     """
+    check_low_memory(low_memory, accum_dtype)
     if type(linear_weight) not in _PLAIN_TENSORS and is_dtensor(linear_weight):  # Shard(0) or replicated
+        if low_memory:
+            raise NotImplementedError("low_memory=True takes a plain linear_weight, not a DTensor")
         return _dtensor_loss(
             input, linear_weight, target, linear_bias=linear_bias, weight=weight, reduction=reduction,
             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
@@ -112,6 +121,8 @@ def linear_cross_entropy(
         not (grad and t.is_cuda) or _sync_pays(_ignored_share.get(t.device), n, vocab, hidden))
 
     def plan_for(rows: int) -> ChunkPlan:
+        if low_memory:
+            return low_memory_plan(rows, x, linear_weight, dtype, chunk_size)
         return plan_chunks(rows, vocab, dtype, linear_weight.dtype, chunk_size=chunk_size,
                            accum_dtype=accum_dtype, weight_grad_hidden=weight_grad_hidden(linear_weight))
 
@@ -119,7 +130,7 @@ def linear_cross_entropy(
     class_w = weight.to(acc).contiguous() if weight is not None else None
     weight_sum = class_w.sum() if class_w is not None else None
     kernel_counts = None
-    if _kernel_finishes_mean(plan, grad, reduction, class_w, num_items, acc):
+    if not low_memory and _kernel_finishes_mean(plan, grad, reduction, class_w, num_items, acc):
         kernel_counts = counts = torch.zeros(3, dtype=torch.int64, device=t.device)
         scale = torch.empty((), dtype=torch.float32, device=t.device)  # written by the CE kernel
     else:
@@ -141,8 +152,9 @@ def linear_cross_entropy(
             pending.start()
     spec = LoopSpec(opts, plan, dtype, backend, return_stats, kernel_counts)
     if grad:
-        loss, lse, correct, _ = LinearCrossEntropyFunction.apply(
-            chunk_loop, spec, x, linear_weight, linear_bias, t, class_w, weight_sum, scale, pending)
+        function = LowMemoryFunction if low_memory else LinearCrossEntropyFunction
+        loss, lse, correct = function.apply(
+            chunk_loop, spec, x, linear_weight, linear_bias, t, class_w, weight_sum, scale, pending)[:3]
         if pending is not None:
             if kernel_counts is not None:
                 pending.start()  # the forward's CE kernel has queued the counts
@@ -176,7 +188,8 @@ def _dtensor_loss(input, linear_weight, target, *, linear_bias, weight, **option
 
 # The keyword options of linear_cross_entropy that the module form fixes (linear_bias is forward's argument).
 MODULE_OPTIONS = ("weight", "reduction", "ignore_index", "label_smoothing", "z_loss", "softcap", "temperature",
-                  "num_items_in_batch", "accum_dtype", "chunk_size", "backend", "return_stats", "validate_target")
+                  "num_items_in_batch", "accum_dtype", "chunk_size", "backend", "return_stats", "validate_target",
+                  "low_memory")
 
 
 class LinearCrossEntropyLoss(nn.Module):
@@ -200,6 +213,7 @@ class LinearCrossEntropyLoss(nn.Module):
         check_run_options(options.get("reduction", "mean"), options.get("num_items_in_batch"),
                           options.get("chunk_size"), options.get("accum_dtype"), options.get("backend", "auto"),
                           options.get("return_stats", False), options.get("validate_target", True))
+        check_low_memory(options.get("low_memory", False), options.get("accum_dtype"))
         self.register_buffer("weight", weight)
         self.options = options
 

@@ -12,10 +12,10 @@ import torch
 INT64_MAX = 2**63 - 1
 
 
-def check_tensors(input, linear_weight, target, bias, class_weight, *, vocab_shard: bool = False) -> None:
-    """input (..., H) floating; linear_weight (V, H) floating with V >= 1 (V >= 0 for a vocabulary shard,
-    ``vocab_shard``); target (...) integer with input's leading shape; bias (V,) or None; class_weight
-    (V,) or None (not checked for a shard: it spans the full vocabulary); one device, not meta."""
+def check_tensors(input, linear_weight, target, bias, class_weight, *, min_vocab: int = 1) -> None:
+    """input (..., H) floating; linear_weight (V, H) floating with V >= min_vocab (0 for a vocabulary
+    shard); target (...) integer with input's leading shape; bias (V,) or None; class_weight (V,) or
+    None; one device, not meta."""
     for name, t in (("input", input), ("linear_weight", linear_weight), ("target", target)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -26,7 +26,7 @@ def check_tensors(input, linear_weight, target, bias, class_weight, *, vocab_sha
     if linear_weight.dim() != 2:
         raise ValueError(f"linear_weight must be a 2-D tensor (V, H), got shape {tuple(linear_weight.shape)}")
     vocab = linear_weight.shape[0]
-    if vocab == 0 and not vocab_shard:
+    if vocab < min_vocab:
         raise ValueError(f"linear_weight must have at least one row (V >= 1), got shape {tuple(linear_weight.shape)}")
     if input.dim() < 1 or input.shape[-1] != linear_weight.shape[1]:
         raise ValueError(f"hidden size mismatch: input has {tuple(input.shape)}, linear_weight (V, H) has "
@@ -38,7 +38,7 @@ def check_tensors(input, linear_weight, target, bias, class_weight, *, vocab_sha
                          f"{tuple(input.shape[:-1])}")
     if bias is not None:
         check_vector("linear_bias", bias, vocab)
-    if class_weight is not None and not vocab_shard:
+    if class_weight is not None:
         check_class_weight(class_weight, vocab)
     check_devices(("input", input), ("linear_weight", linear_weight), ("target", target), ("linear_bias", bias),
                   ("weight", class_weight))
@@ -54,8 +54,9 @@ def check_vector(name: str, t, size: int) -> None:
         raise ValueError(f"{name} must be a floating tensor of shape ({size},), got shape {tuple(t.shape)}")
 
 
-def check_class_weight(weight, vocab: int | None) -> None:
-    """Class weights: a floating (V,) tensor (any length when ``vocab`` is None) that needs no gradient.
+def check_class_weight(weight, vocab: int | None, device: torch.device | None = None) -> None:
+    """Class weights: a floating (V,) tensor (any length when ``vocab`` is None) that needs no gradient,
+    on ``device`` if given.
 
     F.cross_entropy is not differentiable with respect to its class weights and raises when they
     require grad; so does flce (dropping that gradient silently would be a wrong answer)."""
@@ -65,6 +66,8 @@ def check_class_weight(weight, vocab: int | None) -> None:
             raise TypeError(f"weight (class weights) must be a 1-D floating tensor (V,) or None, got {what}")
     else:
         check_vector("weight (class weights)", weight, vocab)
+    if device is not None and weight.device != device:
+        raise ValueError(f"all tensors must be on one device, got input on {device}, weight on {weight.device}")
     if weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("weight (class weights) requires grad, but the loss is not differentiable with respect "
                          "to the class weights (as in torch.nn.functional.cross_entropy): pass weight.detach()")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .checks import check_and_compact, check_class_weight, check_tensors, compute_dtype, flat_targets
 from .function import ChunkGrads, LossParts, finish_forward, not_twice_differentiable, release, scale_grads, take_grads
 from .gemm import mm_into
+from .import_hooks import compile_disabled
 from .kernels import math_dtype, resolve_backend
 from .kernels.ce_vocab_parallel import ROW_MAX, STATS, SUM_EXP, SUM_LOGITS, TARGET_LOGIT, shard_grad, shard_stats
 from .kernels.targets import count_targets
@@ -90,7 +91,7 @@ class _Classes:
     total: torch.Tensor | float
 
 
-@torch.compiler.disable  # collectives and data-dependent control flow: one graph break, exact result
+@compile_disabled  # collectives and data-dependent control flow: one graph break, exact result
 def vocab_parallel_linear_cross_entropy(
     input: torch.Tensor,
     linear_weight_shard: torch.Tensor,
@@ -141,7 +142,7 @@ def vocab_parallel_linear_cross_entropy(
         raise RuntimeError("vocab_parallel_linear_cross_entropy needs an initialized torch.distributed "
                            "process group; on one device use flce.linear_cross_entropy")
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction)
-    check_tensors(input, linear_weight_shard, target, linear_bias, weight, vocab_shard=True)
+    check_tensors(input, linear_weight_shard, target, linear_bias, None, min_vocab=0)  # weight: after the layout
     num_items = check_run_options(reduction, num_items_in_batch, chunk_size, accum_dtype, backend, return_stats,
                                   validate_target)
     dtype = compute_dtype(input, linear_weight_shard, linear_bias)
@@ -156,7 +157,7 @@ def vocab_parallel_linear_cross_entropy(
     if layout.vocab == 0:
         raise ValueError(f"the vocabulary is empty: every rank's linear_weight_shard has 0 rows ({layout.sizes})")
     if weight is not None:
-        check_class_weight(weight, layout.vocab)
+        check_class_weight(weight, layout.vocab, input.device)
     counts, count_scale = count_targets(t, opts.ignore_index, layout.vocab, backend)
     rows = None
     if validate_target and t.numel():

@@ -3,7 +3,8 @@
 transformers 5 keeps a layer's experts as two 3-D parameters, ``gate_up_proj (E, 2I, H)`` (gate rows
 first) and ``down_proj (E, H, I)``, and calls the backend named by ``config._experts_implementation``
 from ``ExpertsInterface`` as ``fn(experts, hidden_states (T, H), top_k_index (T, k), top_k_weights
-(T, k))``. Importing flce registers this one: ``model.set_experts_implementation("flce")``.
+(T, k))``. Importing flce registers this one, before or after transformers:
+``model.set_experts_implementation("flce")``.
 
 One autograd Function, every step on the device (no host sync, every shape fixed by T and k, so the
 layer can be captured in a CUDA graph):
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from .import_hooks import when_imported
 from .kernels.experts_dispatch import elementwise_ops, resolve_elementwise, rows_mm, wgrad_mm
 
 BACKEND_NAME = "flce"
@@ -221,4 +223,5 @@ def register_experts_backend(name: str = BACKEND_NAME) -> bool:
     return True
 
 
-REGISTERED = register_experts_backend()
+# transformers' models import this module before any experts backend is chosen; flce stays light until then
+when_imported("transformers.integrations.moe", lambda _moe: register_experts_backend())

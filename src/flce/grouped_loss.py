@@ -33,6 +33,7 @@ from .checks import check_tensors, compute_dtype, flat_targets, raise_bad_target
 from .function import ChunkGrads, LinearCrossEntropyFunction, LoopSpec, LossParts
 from .gemm import bmm_into
 from .grouped import check_group_bias, group_major_view
+from .import_hooks import compile_disabled
 from .kernels import ce_chunk, math_dtype, resolve_backend
 from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
@@ -50,7 +51,7 @@ class GroupedChunkPlan(ChunkPlan):
     group_major: bool = False
 
 
-@torch.compiler.disable  # as the core: host-side checks and Triton launches, one graph break
+@compile_disabled  # as the core: host-side checks and Triton launches, one graph break
 def grouped_linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,

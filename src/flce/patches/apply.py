@@ -22,6 +22,7 @@ from .families import family_of
 from .forward import causal_lm_forward
 from .moe import restore_experts, select_experts, switched_models
 from .settings import PatchSettings, make_settings
+from .trl import route_trl_to_flce
 
 T = TypeVar("T")
 
@@ -43,7 +44,7 @@ def apply_flce_patch(model_or_class: T, **options) -> T:
         **options: loss options for :func:`flce.linear_cross_entropy` (``z_loss``, ``label_smoothing``,
             ``softcap`` (default: the config's ``final_logit_softcapping`` where the model has one),
             ``temperature``, ``weight``, ``chunk_size``, ``accum_dtype``, ``backend``,
-            ``validate_target``) and patch options: ``materialize_logits`` (None: fuse in training and
+            ``validate_target``, ``low_memory``) and patch options: ``materialize_logits`` (None: fuse in training and
             return logits in eval mode; False: fuse whenever labels are given; True: never fuse) and
             ``use_flce_experts`` (Mixtral: select the "flce" experts backend; default True).
 
@@ -61,6 +62,7 @@ def apply_flce_patch(model_or_class: T, **options) -> T:
         _patch_class(cls, settings)
     else:
         _patch_instance(target, settings)
+    route_trl_to_flce()  # TRL's fused LM head (trainers built before or after) on flce's kernels
     return model_or_class
 
 

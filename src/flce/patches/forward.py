@@ -19,6 +19,7 @@ from torch import nn
 
 from .head import head_computes_loss, innermost, unfusable_reason
 from .settings import PatchSettings
+from .trl import passes_through
 
 
 def causal_lm_forward(model: nn.Module, inner: Callable, settings: PatchSettings, args: tuple,
@@ -30,7 +31,7 @@ def causal_lm_forward(model: nn.Module, inner: Callable, settings: PatchSettings
     """
     bound = _forward_signature(type(model)).bind(model, *args, **kwargs)
     labels = bound.arguments.get("labels")
-    if labels is None or not settings.fuses(model.training):
+    if labels is None or not settings.fuses(model.training) or passes_through(kwargs):  # passes_through: TRL
         return inner(*args, **kwargs)
     reason = _unfusable(model)
     if reason is not None:

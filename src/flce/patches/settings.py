@@ -12,7 +12,7 @@ from .families import Family
 
 # Passed through to flce.linear_cross_entropy.
 LOSS_OPTIONS = frozenset({"label_smoothing", "z_loss", "softcap", "temperature", "weight", "accum_dtype",
-                          "chunk_size", "backend", "validate_target"})
+                          "chunk_size", "backend", "validate_target", "low_memory"})
 # Decided by the model call itself (labels, Trainer's num_items_in_batch), as in ForCausalLMLoss.
 FIXED_BY_CALL = frozenset({"reduction", "ignore_index", "num_items_in_batch", "linear_bias", "return_stats"})
 

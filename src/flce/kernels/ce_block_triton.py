@@ -1,0 +1,103 @@
+"""The column-block gradient kernel of the low-memory mode: d loss / d logits for a block of vocabulary
+columns and all rows, written over the block's logits, from each row's saved log-sum-exp.
+
+Elementwise given the lse: a 2-D grid of (rows, columns) tiles. ``_block_grad`` is also the epilogue of
+the Hopper GEMM that computes the block's logits (``block_gemm_triton.py``). Float32 math (float64 for
+float64 logits). Runs on CUDA, and on the CPU under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..options import LossOptions
+from .ce_block_torch import RowTerms
+from .ce_triton import _grad_block, _logits
+
+
+@triton.jit
+def _block_grad(raw, rows, row_mask, cols, col_mask, target_ptr, lse_ptr, scale_ptr, class_weight_ptr,
+                weight_sum_ptr, V, ignore_index, smoothing, z_loss, softcap, inv_temp, HAS_WEIGHT: tl.constexpr,
+                HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                SCALE_PER_ROW: tl.constexpr):
+    """dz of a (R, C) tile of raw logits at ``rows`` (R,) and vocabulary columns ``cols`` (C,), with the
+    CE kernel's per-row coefficients; exact zeros on ignored (and masked) rows, NaN on rows whose target
+    is outside [0, V)."""
+    y = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
+    valid = row_mask & (y != ignore_index)
+    poison = tl.where(valid & ((y < 0) | (y >= V)), float("nan"), 0.0)
+    y = tl.minimum(tl.maximum(y, 0), V - 1)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    zero = tl.zeros_like(lse)
+    if HAS_WEIGHT:
+        w_y = tl.load(class_weight_ptr + y, mask=row_mask, other=0.0).to(tl.float32)
+        w_sum = tl.load(weight_sum_ptr).to(tl.float32)
+    else:
+        w_y = zero + 1.0
+        w_sum = V * 1.0
+    extra = zero  # the part of dz / dp that is not the target's (1 - smoothing) * w_y
+    if HAS_SMOOTHING:
+        extra += smoothing / V * w_sum
+    if HAS_Z_LOSS:
+        extra += 2.0 * z_loss * lse
+    if SCALE_PER_ROW:
+        scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    else:
+        scale = zero + tl.load(scale_ptr).to(tl.float32)
+    scale = scale * inv_temp + poison
+    z = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
+    return _grad_block(z, cols, col_mask, class_weight_ptr, y[:, None], lse[:, None], extra[:, None],
+                       ((1.0 - smoothing) * w_y)[:, None], smoothing / V, scale[:, None], valid[:, None], softcap,
+                       HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+
+
+@triton.jit
+def _ce_block_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, scale_ptr, class_weight_ptr, weight_sum_ptr,
+                     n_rows, n_cols, col_start, V, ignore_index, smoothing, z_loss, softcap, inv_temp,
+                     HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+                     HAS_SOFTCAP: tl.constexpr, SCALE_PER_ROW: tl.constexpr, FLOAT64: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    local = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask, col_mask = rows < n_rows, local < n_cols
+    ptrs = logits_ptr + rows[:, None] * stride_row + local[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    raw = tl.load(ptrs, mask=mask, other=0.0).to(tl.float64 if FLOAT64 else tl.float32)
+    g = _block_grad(raw, rows, row_mask, col_start + local, col_mask, target_ptr, lse_ptr, scale_ptr,
+                    class_weight_ptr, weight_sum_ptr, V, ignore_index, smoothing, z_loss, softcap, inv_temp,
+                    HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP, SCALE_PER_ROW)
+    tl.store(ptrs, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+# Tile of the standalone kernel: 8192 elements per program streams at copy speed (elementwise given lse).
+BLOCK_R, BLOCK_C, WARPS = 16, 512, 8
+
+
+def row_arguments(terms: RowTerms, opts: LossOptions) -> tuple[tuple, tuple, dict]:
+    """The pointer and scalar arguments every low-memory kernel takes (after its own leading ones, in this
+    order: target, lse, scale, class weights, weight sum, then after V the loss's scalars) and its
+    constexpr switches. Absent tensors point at lse (never read)."""
+    target, lse, class_weight, weight_sum, grad_scale = terms
+    pointers = (target, lse, grad_scale, lse if class_weight is None else class_weight,
+                lse if weight_sum is None else weight_sum)
+    scalars = (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
+               1.0 / opts.temperature)
+    flags = dict(HAS_WEIGHT=class_weight is not None, HAS_SMOOTHING=opts.label_smoothing > 0.0,
+                 HAS_Z_LOSS=opts.z_loss > 0.0, HAS_SOFTCAP=opts.softcap is not None,
+                 SCALE_PER_ROW=grad_scale.dim() == 1)
+    return pointers, scalars, flags
+
+
+def ce_block_triton(logits: torch.Tensor, col_start: int, vocab: int, terms: RowTerms, opts: LossOptions) -> None:
+    """Launch the kernel on one block. See ``ce_block_torch.ce_block_torch`` for the contract."""
+    n, cols = logits.shape
+    if n == 0 or cols == 0:
+        return
+    assert logits.stride(1) == 1, "logits rows must be contiguous"
+    pointers, scalars, flags = row_arguments(terms, opts)
+    _ce_block_kernel[(triton.cdiv(n, BLOCK_R), triton.cdiv(cols, BLOCK_C))](
+        logits, logits.stride(0), *pointers, n, cols, col_start, vocab, *scalars, **flags,
+        FLOAT64=logits.dtype == torch.float64, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS,
+    )

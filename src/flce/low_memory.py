@@ -1,0 +1,160 @@
+"""The precise low-memory mode (``linear_cross_entropy(..., low_memory=True)``): its autograd Function and
+backward's vocabulary-block loop.
+
+Forward runs the chunk loop without the weight gradient: per chunk of rows the logits GEMM, the CE
+kernel (loss, lse, dlogits) and grad_input rows = dlogits @ W (K = V: one GEMM, rounded once). Backward
+recomputes the logits one block of vocabulary columns at a time for all rows, overwrites them with
+their gradient from the saved lse (``kernels/ce_block_*``), and writes grad_weight[block] = dz^T @ x:
+one GEMM over every row, float32 inside, rounded once into the weight's dtype. Four GEMMs in all, two
+exact gradients, and at most a small buffer plus the per-row lse above the gradients
+(``low_memory_plan.py``). With reduction="none", grad_input's rows scale linearly with the per-row
+grad_output, and the block kernel takes it per row: nothing is recomputed twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .function import LoopSpec
+from .gemm import mm_into
+from .kernels.ce_block_torch import RowTerms, ce_block_torch
+from .kernels.scale import scale_into
+from .low_memory_plan import LowMemoryPlan, plan_low_memory
+from .options import LossOptions
+
+
+def low_memory_plan(n_rows: int, input: torch.Tensor, weight: torch.Tensor, compute_dtype: torch.dtype,
+                    chunk_size: int | None) -> LowMemoryPlan:
+    """``plan_low_memory`` for these tensors (whether backward allocates grad_weight, whether autocast casts
+    them)."""
+    return plan_low_memory(n_rows, weight.shape[0], weight.shape[1], compute_dtype, weight.dtype,
+                           weight_grad=torch.is_grad_enabled() and weight.requires_grad,
+                           weight_cast=weight.dtype != compute_dtype, input_cast=input.dtype != compute_dtype,
+                           chunk_size=chunk_size)
+
+
+def check_low_memory(low_memory: object, accum_dtype: torch.dtype | None) -> None:
+    """The mode's switch is a bool, and it has no accumulator to choose."""
+    if not isinstance(low_memory, bool):
+        raise TypeError(f"low_memory must be a bool, got {low_memory!r}")
+    if low_memory and accum_dtype is not None:
+        raise ValueError("accum_dtype cannot be combined with low_memory=True: its grad_weight needs no "
+                         "accumulator (one GEMM per vocabulary block over all rows, rounded once)")
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def block_logits_grad(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Tensor | None, out: torch.Tensor,
+                      col_start: int, vocab: int, terms: RowTerms, opts: LossOptions, backend: str) -> None:
+    """out (n, C) = the gradient of the loss w.r.t. the logits x @ w_block^T (+ b_block) of vocabulary
+    columns [col_start, col_start + C), times the rows' grad_scale (``terms``). On Hopper one GEMM with
+    the gradient in its epilogue; elsewhere the GEMM, then the block kernel over its output."""
+    if backend == "triton":
+        from .kernels import block_gemm_triton
+
+        if block_gemm_triton.supported(x, w_block, b_block, out):
+            block_gemm_triton.block_logits_grad_triton(x, w_block, b_block, out, col_start, vocab, terms, opts)
+            return
+    torch.mm(x, w_block.t(), out=out)
+    if b_block is not None:
+        out.add_(b_block)
+    if backend == "triton":
+        from .kernels.ce_block_triton import ce_block_triton
+
+        ce_block_triton(out, col_start, vocab, terms, opts)
+    else:
+        ce_block_torch(out, col_start, vocab, terms, opts)
+
+
+def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, terms: RowTerms,
+                       need_w: bool, need_b: bool, spec: LoopSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """grad_weight (V, H) in the weight's dtype and grad_bias (V,) float32, block by block of vocabulary
+    columns (``spec.plan.block_cols``), each from all n rows at once. x: (n, H), weight: (V, H)."""
+    opts, plan, compute_dtype, backend = spec.opts, spec.plan, spec.compute_dtype, spec.backend
+    n, hidden = x.shape
+    vocab = weight.shape[0]
+    grad_w = torch.empty(vocab, hidden, dtype=weight.dtype, device=x.device) if need_w else None
+    grad_b = torch.empty(vocab, dtype=torch.float32, device=x.device) if need_b else None
+    if n == 0:
+        return tuple(None if g is None else g.zero_() for g in (grad_w, grad_b))
+    x_c = _as_dtype(x, compute_dtype)
+    buffer = torch.empty(n * min(plan.block_cols, vocab), dtype=compute_dtype, device=x.device)
+    for start, end in plan.blocks(vocab):
+        dz = buffer[: n * (end - start)].view(n, end - start)  # contiguous, whatever the block's width
+        block_logits_grad(x_c, _as_dtype(weight[start:end], compute_dtype),
+                          None if bias is None else bias[start:end], dz, start, vocab, terms, opts, backend)
+        if grad_w is not None:
+            mm_into(grad_w[start:end], dz.t(), x_c, accumulate=False)
+        if grad_b is not None:
+            torch.sum(dz, 0, dtype=torch.float32, out=grad_b[start:end])
+    return grad_w, grad_b
+
+
+_CONSUMED = (
+    "flce low_memory: backward ran twice through the same graph. grad_input is computed in forward and "
+    "handed over once; run the forward again."
+)
+_NOT_TWICE = (
+    "flce low_memory: the fused loss is not twice differentiable; call backward without create_graph=True "
+    "(or use a materialized-logits loss for higher-order gradients)."
+)
+
+
+class LowMemoryFunction(torch.autograd.Function):
+    """``LinearCrossEntropyFunction``'s inputs and outputs (loop, spec with a ``LowMemoryPlan``, x, weight,
+    bias, target, class_weight, weight_sum, grad_scale, target_check), with grad_weight and grad_bias
+    computed in backward by the vocabulary-block loop."""
+
+    @staticmethod
+    def forward(ctx, loop, spec, x, weight, bias, target, class_weight, weight_sum, grad_scale, target_check):
+        ctx.set_materialize_grads(False)
+        needs = tuple(ctx.needs_input_grad[2:5])
+        # grad_input in forward, times the reduction's scale (1 for 'none': backward scales its rows).
+        fwd_scale = None
+        if needs[0]:
+            fwd_scale = grad_scale if grad_scale is not None else torch.ones((), dtype=torch.float32,
+                                                                              device=x.device)
+        parts, grads = loop(x, weight, bias, target, class_weight, weight_sum, fwd_scale, (needs[0], False, False),
+                            spec)
+        ctx.grad_input = grads.input
+        ctx.consumed = False
+        ctx.meta = (spec, needs, (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
+        ctx.target_check = target_check
+        ctx.save_for_backward(x, weight, bias, target, class_weight, weight_sum, grad_scale, parts.lse)
+        loss = parts.loss if grad_scale is None else parts.loss.sum() * grad_scale
+        ctx.mark_non_differentiable(*(t for t in (parts.lse, parts.correct) if t is not None))
+        return loss, parts.lse, parts.correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse, _grad_correct):
+        if grad_loss is None:  # only lse / correct were used: they carry no gradient
+            return (None,) * 10
+        if torch.is_grad_enabled():
+            raise RuntimeError(_NOT_TWICE)
+        if ctx.consumed:
+            raise RuntimeError(_CONSUMED)
+        ctx.consumed = True
+        spec, needs, dtypes = ctx.meta
+        x, weight, bias, target, class_weight, weight_sum, grad_scale, lse = ctx.saved_tensors
+        grad_x, ctx.grad_input = ctx.grad_input, None
+        g = _as_dtype(grad_loss, torch.float32)
+        if grad_scale is None:  # reduction='none': grad_output per row
+            g = g.reshape(-1).contiguous()
+            if grad_x is not None:
+                torch.mul(grad_x, g[:, None], out=grad_x)
+            block_scale = g
+        else:
+            if grad_x is not None:
+                scale_into(grad_x, g, dtypes[0], spec.backend)
+            block_scale = grad_scale * g
+        grad_w = grad_b = None
+        if needs[1] or needs[2]:
+            terms = RowTerms(target, lse, class_weight, weight_sum, block_scale)
+            grad_w, grad_b = weight_grad_blocks(x, weight, bias, terms, needs[1], needs[2], spec)
+        if grad_b is not None:
+            grad_b = _as_dtype(grad_b, dtypes[2])
+        if ctx.target_check is not None:  # waits only now, with this backward's kernels already queued
+            ctx.target_check.raise_if_bad()
+        return None, None, grad_x, grad_w, grad_b, None, None, None, None, None

@@ -1,0 +1,105 @@
+"""The low-memory mode's plan: forward row chunks and backward vocabulary blocks. Pure, like planner.py.
+
+Forward (loss, lse, grad_input) runs the chunk loop over rows; backward recomputes the logits one
+block of vocabulary columns at a time, for all rows at once, so that each block of grad_weight is one
+GEMM over every row (float32 inside, rounded once). Only a small budget may add to the peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .planner import ROW_ALIGN, ChunkPlan, _balanced
+
+# Bytes that the mode may add to the peak (64 MiB: 256 rows of a 128256-entry bf16 vocabulary, or
+# 4096 vocabulary columns of 8192 rows).
+LOW_MEMORY_BUDGET = 64 * 2**20
+# Backward blocks are rounded down to whole GEMM tiles of this many columns.
+BLOCK_ALIGN = 128
+# Bytes per row and column of the Hopper logits GEMM's tile statistics (float32 max and sum per row and
+# 256-column tile, ``kernels/logits_triton.py``), counted twice: the next chunk's are allocated while the
+# last chunk's are still referenced.
+STATS_BYTES_PER_COLUMN = 2 * 8 / 256
+# Fewest grad_weight elements per backward block: the block's GEMM (cols x H output, K = all rows) then
+# has 128 output tiles of 128 x 256, about one wave on a 132-SM GPU (1024 columns at H = 4096).
+MIN_BLOCK_ELEMENTS = 2**22
+
+
+@dataclass(frozen=True)
+class LowMemoryPlan(ChunkPlan):
+    """A ``ChunkPlan`` for forward's row chunks, plus ``block_cols``: vocabulary columns per backward block
+    (the last may be narrower)."""
+
+    block_cols: int
+
+    def blocks(self, vocab: int) -> Iterator[tuple[int, int]]:
+        """(start, end) columns of each backward block."""
+        for start in range(0, vocab, self.block_cols):
+            yield start, min(start + self.block_cols, vocab)
+
+
+def plan_low_memory(
+    n_rows: int,
+    vocab: int,
+    hidden: int,
+    compute_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+    *,
+    weight_grad: bool,
+    weight_cast: bool = False,
+    input_cast: bool = False,
+    chunk_size: int | None = None,
+    memory_budget: int | None = None,
+) -> LowMemoryPlan:
+    """Rows per forward chunk and vocabulary columns per backward block.
+
+    Args:
+        n_rows: tokens. vocab, hidden: V, H. compute_dtype: the GEMMs' dtype (logits and dlogits buffers).
+        grad_dtype: the weight gradient's dtype (the weight's).
+        weight_grad: whether backward allocates grad_weight (forward's buffer may then take its size).
+        weight_cast / input_cast: the weight / input is cast to ``compute_dtype`` (autocast): the copies
+            live beside the buffers and come out of the budget.
+        chunk_size: forward's rows per chunk chosen by the user (None: from the budget).
+        memory_budget: bytes (None: ``LOW_MEMORY_BUDGET``).
+
+    Forward's logits buffer: the budget, plus, when the weight gradient is wanted, that gradient's size:
+    forward ends (and frees the buffer) before backward allocates it, so the peak is unchanged (at
+    8192 x 4096 x 128256 bf16: 4096-row chunks instead of 256, whose GEMMs would be bound by reading W).
+    Backward's (n_rows, block_cols) dlogits buffer takes the budget, but at least ``MIN_BLOCK_ELEMENTS``
+    of grad_weight per block (its GEMM fills the GPU), and whole tiles of ``BLOCK_ALIGN`` columns.
+    """
+    size = compute_dtype.itemsize
+    memory_budget = LOW_MEMORY_BUDGET if memory_budget is None else memory_budget
+    if chunk_size is None:
+        budget = memory_budget
+        if weight_grad:
+            budget += vocab * hidden * grad_dtype.itemsize
+            if weight_cast:  # forward's copy of the weight in compute_dtype
+                budget -= vocab * hidden * size
+        row_bytes = max(int(vocab * (size + STATS_BYTES_PER_COLUMN)), 1)
+        rows = _balanced(n_rows, max(budget // row_bytes // ROW_ALIGN * ROW_ALIGN, ROW_ALIGN))
+    else:
+        rows = min(chunk_size, n_rows)
+    rows = max(rows, 1)
+
+    # Backward: the block's dlogits, its weight rows cast (autocast), and the input cast once.
+    block_budget = memory_budget - (n_rows * hidden * size if input_cast else 0)
+    col_bytes = max((n_rows + (hidden if weight_cast else 0)) * size, 1)
+    cols = max(block_budget, 0) // col_bytes // BLOCK_ALIGN * BLOCK_ALIGN
+    cols = max(cols, _round_up(_cdiv(MIN_BLOCK_ELEMENTS, max(hidden, 1)), BLOCK_ALIGN), BLOCK_ALIGN)
+    if cols >= vocab:
+        cols = max(vocab, 1)
+    else:  # near-equal blocks: no narrow last one
+        cols = _round_up(_cdiv(vocab, _cdiv(vocab, cols)), BLOCK_ALIGN)
+    return LowMemoryPlan(n_rows=n_rows, rows=rows, accum_dtype=grad_dtype, block_cols=cols)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, multiple: int) -> int:
+    return _cdiv(a, multiple) * multiple

@@ -1,0 +1,421 @@
+"""The precise low-memory mode (low_memory.py): loss and every gradient against float64, its block kernel
+and fused GEMM against the torch twin, its plan, autograd contracts, and (GPU) precision and memory."""
+
+import pytest
+import torch
+from reference import TOL, assert_close, chunked_reference_grads, reference_loss, rel_err
+from test_api import OPTION_SETS, make_case
+from test_api import check as api_check
+
+import flce
+from flce import low_memory_plan as lmp
+from flce.kernels import triton_available
+from flce.kernels.ce_block_torch import RowTerms, ce_block_torch
+from flce.options import LossOptions
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.fixture
+def blocks(monkeypatch):
+    """Backward blocks of ``cols`` vocabulary columns (default 64) on these small shapes."""
+    def set_cols(cols: int = 64) -> None:
+        monkeypatch.setattr(lmp, "LOW_MEMORY_BUDGET", 0)
+        monkeypatch.setattr(lmp, "MIN_BLOCK_ELEMENTS", 0)
+        monkeypatch.setattr(lmp, "BLOCK_ALIGN", cols)
+
+    set_cols()
+    return set_cols
+
+
+def check(backend, dtype, device, **kwargs):
+    """test_api's check (loss and the gradient of every differentiable input against float64), low_memory."""
+    api_check(backend, dtype, device, low_memory=True, **kwargs)
+
+
+@pytest.mark.parametrize("name", list(OPTION_SETS))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_options_and_reductions(backend, device, blocks, name, reduction):
+    check(backend, torch.float32, device, reduction=reduction, chunk_size=8, **dict(OPTION_SETS[name]))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dtypes(backend, device, blocks, dtype, reduction):
+    check(backend, dtype, device, reduction=reduction, ignore=0.2, bias=True, chunk_size=16)
+
+
+@pytest.mark.parametrize("shape,hidden,vocab,chunk,cols", [
+    ((1,), 8, 1, None, 64),        # V = 1: loss 0, gradients 0
+    ((1,), 17, 50, None, 16),      # one row, H not a multiple of 16
+    ((50,), 17, 333, 7, 64),       # n not a multiple of the chunk, V not a multiple of the block
+    ((3, 5), 12, 40, 4, 16),       # batched leading shape
+    ((70,), 16, 1000, None, 128),  # one forward chunk, eight blocks
+])
+def test_odd_shapes(backend, device, blocks, shape, hidden, vocab, chunk, cols):
+    blocks(cols)
+    check(backend, torch.float32, device, shape=shape, hidden=hidden, vocab=vocab, chunk_size=chunk,
+          label_smoothing=0.1, z_loss=1e-3)
+
+
+def test_all_options_bf16_sum(backend, device, blocks):
+    check(backend, torch.bfloat16, device, reduction="sum", chunk_size=5, **dict(OPTION_SETS["all"]))
+
+
+def test_num_items_and_custom_ignore_index(backend, device, blocks):
+    check(backend, torch.float32, device, ignore=0.3, num_items_in_batch=11, chunk_size=8)
+    check(backend, torch.float32, device, ignore=0.3, ignore_index=7, reduction="sum")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_rows_dropped_before_the_gemms(backend, device, blocks, reduction):
+    """From COMPACT_MIN_ROWS tokens the ignored rows are dropped first (here on the CPU): both loops see
+    only the valid rows, the gradients still land at every row."""
+    from flce.api import COMPACT_MIN_ROWS
+
+    check(backend, torch.float32, device, shape=(COMPACT_MIN_ROWS + 6,), hidden=8, vocab=150, ignore=0.5,
+          chunk_size=256, label_smoothing=0.1, reduction=reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("n_tokens", [0, 5])
+def test_all_ignored_is_zero_not_nan(backend, device, blocks, reduction, n_tokens):
+    x = torch.randn(n_tokens, 8, device=device, requires_grad=True)
+    w = torch.randn(200, 8, device=device, requires_grad=True)
+    b = torch.randn(200, device=device, requires_grad=True)
+    t = torch.full((n_tokens,), -100, device=device)
+    loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction, backend=backend, low_memory=True)
+    assert loss.shape == ((n_tokens,) if reduction == "none" else ()) and torch.all(loss == 0)
+    loss.sum().backward()
+    for p in (x, w, b):
+        assert p.grad is not None and torch.all(p.grad == 0)
+
+
+def test_autocast_bf16_with_fp32_master_weights(backend, device, blocks):
+    x, w, b, t, _ = make_case((33,), 16, 140, torch.float32, device, bias=True, ignore=0.2)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, backend=backend, chunk_size=8, low_memory=True)
+    loss.backward()
+    ref, (x64, w64, b64) = reference_loss(x, w, t, linear_bias=b)
+    ref.backward()
+    assert w.grad.dtype == x.grad.dtype == b.grad.dtype == torch.float32
+    assert_close(loss, ref, 3e-2, "loss")
+    for name, got, want in (("grad_input", x.grad, x64.grad), ("grad_weight", w.grad, w64.grad),
+                            ("grad_bias", b.grad, b64.grad)):
+        assert_close(got, want, 3e-2, name)
+
+
+def test_stats_and_eval_match_default_mode(backend, device, blocks):
+    x, w, _, t, _ = make_case((40,), 16, 130, torch.float32, device, ignore=0.25)
+    kw = dict(backend=backend, z_loss=1e-2, return_stats=True, chunk_size=8)
+    loss, stats = flce.linear_cross_entropy(x, w, t, low_memory=True, **kw)
+    want, want_stats = flce.linear_cross_entropy(x, w, t, **kw)
+    assert_close(loss, want, 1e-6, "loss")
+    for name in ("z_loss", "accuracy", "num_valid"):
+        assert_close(getattr(stats, name), getattr(want_stats, name), 1e-6, name)
+    with torch.no_grad():
+        loss_eval, _ = flce.linear_cross_entropy(x, w, t, low_memory=True, **kw)
+    assert_close(loss_eval, want, 1e-6, "no_grad")
+
+
+def test_skips_gradients_nobody_needs(backend, device, blocks, monkeypatch):
+    """A frozen head runs no block loop (two GEMMs); an input without gradient gets no grad_input GEMM."""
+    import flce.low_memory as lm
+
+    blocks_run = []
+    real = lm.block_logits_grad
+    monkeypatch.setattr(lm, "block_logits_grad", lambda *a: blocks_run.append(a[3].shape) or real(*a))
+    x, w, _, t, _ = make_case((12,), 8, 150, torch.float32, device)
+    w.requires_grad_(False)
+    flce.linear_cross_entropy(x, w, t, backend=backend, low_memory=True).backward()
+    assert w.grad is None and x.grad is not None and not blocks_run
+    x2 = x.detach()
+    w.requires_grad_(True)
+    flce.linear_cross_entropy(x2, w, t, backend=backend, low_memory=True).backward()
+    assert w.grad is not None and [s[1] for s in blocks_run] == [64, 64, 22]
+
+
+@pytest.mark.parametrize("target", ["input", "linear_weight", "linear_bias"])
+def test_in_place_change_after_forward_raises(backend, device, target):
+    x, w, b, t, _ = make_case((10,), 8, 20, torch.float32, device, bias=True)
+    loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, backend=backend, low_memory=True)
+    with torch.no_grad():
+        {"input": x, "linear_weight": w, "linear_bias": b}[target].mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_backward_once_and_not_twice_differentiable(backend, device):
+    x, w, _, t, _ = make_case((10,), 8, 20, torch.float32, device)
+    loss = flce.linear_cross_entropy(x, w, t, backend=backend, low_memory=True)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+    loss = flce.linear_cross_entropy(x, w, t, backend=backend, low_memory=True, reduction="none")
+    with pytest.raises(RuntimeError, match="not twice differentiable"):
+        torch.autograd.grad(loss.sum(), (x, w), create_graph=True)
+
+
+def test_bad_arguments(device):
+    x, w, _, t, _ = make_case((4,), 8, 20, torch.float32, device)
+    with pytest.raises(TypeError, match="low_memory must be a bool"):
+        flce.linear_cross_entropy(x, w, t, low_memory=1)
+    with pytest.raises(ValueError, match="accum_dtype cannot be combined with low_memory"):
+        flce.linear_cross_entropy(x, w, t, low_memory=True, accum_dtype=torch.float32)
+
+
+def test_module_and_patch_options_pass_it_through(device, blocks):
+    x, w, b, t, _ = make_case((9,), 8, 150, torch.float32, device, bias=True)
+    loss = flce.LinearCrossEntropyLoss(label_smoothing=0.1, low_memory=True)(x, w, t, b)
+    loss.backward()
+    ref, (_, w64, _) = reference_loss(x, w, t, linear_bias=b, label_smoothing=0.1)
+    ref.backward()
+    assert_close(loss, ref, 1e-5, "loss")
+    assert_close(w.grad, w64.grad, 1e-5, "grad_weight")
+    from flce.patches.families import family_of
+    from flce.patches.settings import make_settings
+
+    transformers = pytest.importorskip("transformers")
+    settings = make_settings(family_of(transformers.LlamaForCausalLM), {"low_memory": True})
+    assert settings.loss_options == {"low_memory": True}
+
+
+# ---------------------------------------------------------------- the block kernel and the fused GEMM
+
+def block_case(n, cols, vocab, col_start, dtype, *, per_row, opts, weighted, device=DEVICE):
+    logits = (torch.randn(n, cols, device=device) * 3).to(dtype)
+    target = torch.randint(0, vocab, (n,), device=device)
+    target[:: 4] = col_start + torch.randint(0, cols, (len(target[::4]),), device=device)  # targets inside
+    target[1] = opts.ignore_index
+    lse = (torch.rand(n, device=device) * 2 + 8.0)
+    cw = torch.rand(vocab, device=device) + 0.3 if weighted else None
+    weight_sum = cw.sum() if weighted else None
+    scale = torch.randn(n, device=device) if per_row else torch.tensor(0.37, device=device)
+    return logits, RowTerms(target, lse, cw, weight_sum, scale)
+
+
+def reference_block(logits, col_start, vocab, terms, opts):
+    """dz of the block in float64 from the formula of DESIGN.md section 1 (not from the twin's code)."""
+    target, lse, cw, weight_sum, scale = terms
+    z = logits.double() / opts.temperature
+    if opts.softcap is not None:
+        z = opts.softcap * torch.tanh(z / opts.softcap)
+    eps, n, cols = opts.label_smoothing, *logits.shape
+    w = cw.double() if cw is not None else torch.ones(vocab, dtype=torch.float64, device=logits.device)
+    valid = target != opts.ignore_index
+    y = target.clamp(0, vocab - 1)
+    p = torch.exp(z - lse.double()[:, None])
+    onehot = (torch.arange(col_start, col_start + cols, device=logits.device)[None, :] == y[:, None]).double()
+    w_sum = weight_sum.double() if weight_sum is not None else w.sum()  # as given (float32)
+    dz = ((1 - eps) * w[y][:, None] * (p - onehot) + eps / vocab * (w_sum * p - w[col_start:col_start + cols])
+          + 2 * opts.z_loss * lse.double()[:, None] * p)
+    if opts.softcap is not None:
+        dz = dz * (1 - (z / opts.softcap) ** 2)
+    s = scale.double()
+    dz = dz * (s[:, None] if s.dim() else s) / opts.temperature
+    return torch.where(valid[:, None], dz, 0.0)
+
+
+def block_kernel(backend):
+    if backend == "triton":
+        from flce.kernels.ce_block_triton import ce_block_triton
+
+        return ce_block_triton
+    return ce_block_torch
+
+
+BLOCK_OPTIONS = [
+    LossOptions(),
+    LossOptions(label_smoothing=0.2, z_loss=1e-2),
+    LossOptions(softcap=4.0, temperature=1.3, ignore_index=3),
+]
+
+
+@pytest.mark.parametrize("opts", BLOCK_OPTIONS)
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_block_kernels_match_float64(backend, opts, per_row, weighted, dtype):
+    n, cols, vocab, col_start = 21, 700, 2000, 640  # partial row and column tiles
+    logits, terms = block_case(n, cols, vocab, col_start, dtype, per_row=per_row, opts=opts, weighted=weighted)
+    want = reference_block(logits, col_start, vocab, terms, opts)
+    out = logits.clone()
+    block_kernel(backend)(out, col_start, vocab, terms, opts)
+    # float64: the Triton kernel's scalar arguments (smoothing, z_loss, 1 / temperature) are float32
+    tol = {torch.float64: 1e-12 if backend == "torch" else 1e-7, torch.float32: 1e-6}.get(dtype, TOL[dtype] / 4)
+    assert rel_err(out, want) <= tol
+    assert torch.all(out[1] == 0)  # the ignored row: exact zeros
+
+
+def test_block_kernel_poisons_rows_with_bad_targets(backend):
+    opts = LossOptions()
+    logits, terms = block_case(6, 40, 100, 0, torch.float32, per_row=False, opts=opts, weighted=False)
+    terms.target[2], terms.target[4] = 100, -5
+    block_kernel(backend)(logits, 0, 100, terms, opts)
+    assert torch.isnan(logits[[2, 4]]).all() and torch.isfinite(logits[[0, 3, 5]]).all()
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """Let the Hopper GEMMs run on these small shapes (and under the interpreter, fp16: see
+    test_logits_triton.py); count the fused block GEMM's calls."""
+    from flce.kernels import block_gemm_triton as bg
+    from flce.kernels import logits_triton as lt
+
+    monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
+    monkeypatch.setattr(lt, "MIN_ROWS", 8)
+    if not ON_HOPPER:
+        small = lt.TileConfig(32, 64, 16, 2, 4, 4)
+        monkeypatch.setattr(lt, "TILE", small)
+        monkeypatch.setattr(bg, "TILE", small)
+    calls = []
+    real = bg.block_logits_grad_triton
+    monkeypatch.setattr(bg, "block_logits_grad_triton", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+needs_triton = pytest.mark.skipif(not triton_available(DEVICE), reason="triton cannot run here")
+
+
+@needs_triton
+@pytest.mark.parametrize("opts", BLOCK_OPTIONS)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if ON_HOPPER else [torch.float16])
+def test_fused_block_gemm_matches_float64(fused, opts, with_bias, per_row, dtype):
+    from flce.kernels import block_gemm_triton as bg
+
+    n, hidden, cols, vocab, col_start = 70, 48, 200, 1000, 256  # partial row and column tiles
+    x = torch.randn(n, hidden, device=DEVICE).to(dtype)
+    w = (torch.randn(cols, hidden, device=DEVICE) / hidden**0.5 * 3).to(dtype)
+    b = torch.randn(cols, device=DEVICE).to(dtype) if with_bias else None
+    _, terms = block_case(n, cols, vocab, col_start, dtype, per_row=per_row, opts=opts, weighted=True)
+    out = torch.empty(n, cols, dtype=dtype, device=DEVICE)
+    assert bg.supported(x, w, b, out)
+    bg.block_logits_grad_triton(x, w, b, out, col_start, vocab, terms, opts)
+    logits = (x.double() @ w.double().t() + (b.double() if b is not None else 0.0)).to(dtype)
+    want = reference_block(logits, col_start, vocab, terms, opts)
+    assert rel_err(out, want) <= TOL[dtype] / 4
+    assert torch.all(out[1] == 0)
+
+
+@needs_triton
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_end_to_end_with_the_hopper_gemms(fused, blocks, reduction):
+    blocks(128)
+    check("triton", torch.float16, DEVICE, shape=(40,), hidden=32, vocab=520, reduction=reduction,
+          chunk_size=16, **dict(OPTION_SETS["all"]))
+    assert len(fused) == 5  # blocks of 128, 128, 128, 128, 8 columns (16-byte aligned rows)
+
+
+# ---------------------------------------------------------------- the plan
+
+HEAD = dict(vocab=128256, hidden=4096)
+
+
+def test_plan_at_the_llama3_head():
+    """8192 x 4096 x 128256 bf16: backward's buffer is the budget; forward's fits the budget plus the weight
+    gradient it precedes (and its chunks are whole 1024-row blocks)."""
+    plan = lmp.plan_low_memory(8192, **HEAD, compute_dtype=torch.bfloat16, grad_dtype=torch.bfloat16,
+                               weight_grad=True)
+    grad_w_bytes = 128256 * 4096 * 2
+    assert 8192 * plan.block_cols * 2 <= lmp.LOW_MEMORY_BUDGET and plan.block_cols % lmp.BLOCK_ALIGN == 0
+    assert plan.rows * 128256 * (2 + lmp.STATS_BYTES_PER_COLUMN) <= lmp.LOW_MEMORY_BUDGET + grad_w_bytes
+    assert plan.rows % 1024 == 0 and plan.num_chunks == 8192 // plan.rows
+    frozen = lmp.plan_low_memory(8192, **HEAD, compute_dtype=torch.bfloat16, grad_dtype=torch.bfloat16,
+                                 weight_grad=False)
+    assert frozen.rows * 128256 * 2 <= lmp.LOW_MEMORY_BUDGET and frozen.rows % 64 == 0
+
+
+@pytest.mark.parametrize("n", [1, 100, 8192, 8193, 32768, 100_003])
+@pytest.mark.parametrize("vocab,hidden", [(1, 8), (32000, 2048), (128256, 4096), (256000, 8192)])
+def test_plan_covers_rows_and_columns_once(n, vocab, hidden):
+    plan = lmp.plan_low_memory(n, vocab, hidden, torch.bfloat16, torch.bfloat16, weight_grad=True)
+    chunks = [e - s for s, e in plan.bounds()]
+    blocks = list(plan.blocks(vocab))
+    assert sum(chunks) == n and all(c > 0 for c in chunks)
+    assert blocks[0][0] == 0 and blocks[-1][1] == vocab and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    widths = [e - s for s, e in blocks]
+    assert 0 < widths[-1] <= widths[0] and set(widths[:-1]) <= {plan.block_cols}
+    assert plan.block_cols % lmp.BLOCK_ALIGN == 0 or len(blocks) == 1
+    # backward's buffer: the budget, unless a block would leave the grad_weight GEMM short of a wave
+    min_cols = -(-lmp.MIN_BLOCK_ELEMENTS // hidden)
+    assert n * plan.block_cols * 2 <= lmp.LOW_MEMORY_BUDGET or plan.block_cols <= max(min_cols, 128) + 127
+
+
+def test_plan_under_autocast_counts_the_casts():
+    kw = dict(compute_dtype=torch.bfloat16, grad_dtype=torch.float32, weight_grad=True)
+    cast = lmp.plan_low_memory(8192, **HEAD, **kw, weight_cast=True, input_cast=True)
+    plain = lmp.plan_low_memory(8192, **HEAD, **kw)
+    # the bf16 copy of the input fills backward's budget: the blocks fall to their minimum width
+    assert plain.block_cols == 4096 and cast.block_cols == lmp.MIN_BLOCK_ELEMENTS // 4096
+    w_bytes = 128256 * 4096
+    assert cast.rows * 128256 * 2 + w_bytes * 2 <= lmp.LOW_MEMORY_BUDGET + w_bytes * 4
+
+
+def test_plan_honours_chunk_size():
+    plan = lmp.plan_low_memory(1000, 5000, 64, torch.float32, torch.float32, weight_grad=True, chunk_size=96)
+    assert plan.rows == 96 and plan.num_chunks == 11
+
+
+# ---------------------------------------------------------------- GPU: precision and memory
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bt,hidden,vocab", [(4096, 2048, 32000), (8192, 1024, 65536)])
+def test_gpu_precision_and_memory(bt, hidden, vocab):
+    """bf16: grad_weight within 1.1x the bf16 rounding of the exact gradient; the peak during forward and
+    backward within the gradients plus the budget (and the per-row vectors)."""
+    cuda = torch.device("cuda")
+    g = torch.Generator(device=cuda).manual_seed(0)
+    x = torch.randn(bt, hidden, device=cuda, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(vocab, hidden, device=cuda, generator=g) * hidden**-0.5).bfloat16().requires_grad_()
+    t = torch.randint(0, vocab, (bt,), device=cuda, generator=g)
+
+    def step():
+        return torch.autograd.grad(flce.linear_cross_entropy(x, w, t, low_memory=True), (x, w))
+
+    step()  # compile kernels, create the cuBLAS workspace
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    gx, gw = step()
+    torch.cuda.synchronize()
+    grads = gx.numel() * gx.element_size() + gw.numel() * gw.element_size()
+    extra = torch.cuda.max_memory_allocated() - base - grads
+    assert extra <= lmp.LOW_MEMORY_BUDGET + bt * 64 + (1 << 20), f"{extra / 2**20:.1f} MiB above the gradients"
+
+    _, ref_gx, ref_gw = chunked_reference_grads(x.detach(), w.detach(), t)
+    floor = rel_err(ref_gw.to(torch.bfloat16), ref_gw)
+    err = rel_err(gw, ref_gw)
+    assert err <= 1.1 * floor, f"grad_weight error {err:.3g} vs bf16 rounding {floor:.3g} ({err / floor:.3f}x)"
+    assert rel_err(gx, ref_gx) <= 1.25 * rel_err(ref_gx.to(torch.bfloat16), ref_gx) + 1e-3
+
+
+def test_benchmark_reference_is_float64_exact():
+    """benchmark/low_memory.py's vocabulary-block float64 reference equals autograd's (tiny shapes)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmark" / "low_memory.py"
+    spec = importlib.util.spec_from_file_location("low_memory_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    x, w, _, t, _ = make_case((45,), 12, 70, torch.float32, torch.device("cpu"))
+    grad_x, grad_w = bench.reference_grads(x, w, t, block_bytes=45 * 8 * 16)  # blocks of 16 columns
+    ref, (x64, w64, _) = reference_loss(x, w, t)
+    ref.backward()
+    assert rel_err(grad_x, x64.grad) < 1e-12 and rel_err(grad_w, w64.grad) < 1e-12
+
+
+def test_trainable_bias_of_a_frozen_head(backend, device, blocks):
+    """Only the bias learns: backward runs the block loop for grad_bias alone (no grad_weight buffer)."""
+    x, w, b, t, _ = make_case((20,), 8, 150, torch.float32, device, bias=True, ignore=0.2)
+    w.requires_grad_(False)
+    loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, backend=backend, low_memory=True, z_loss=1e-2)
+    loss.backward()
+    ref, (x64, _, b64) = reference_loss(x, w, t, linear_bias=b, z_loss=1e-2)
+    ref.backward()
+    assert w.grad is None
+    assert_close(b.grad, b64.grad, 1e-5, "grad_bias")
+    assert_close(x.grad, x64.grad, 1e-5, "grad_input")
