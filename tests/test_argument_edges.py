@@ -123,6 +123,17 @@ def test_num_items_with_reduction_none(core, grouped, call):
             flce.grouped_linear_cross_entropy(*grouped, **kw)
 
 
+@pytest.mark.parametrize("kw,exc,match", [
+    ({"low_memory": 1}, TypeError, "low_memory must be a bool"),
+    ({"low_memory": True, "accum_dtype": torch.float32}, ValueError, "accum_dtype cannot be combined with low_memory"),
+])
+def test_low_memory_option(core, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        flce.linear_cross_entropy(*core, **kw)
+    with pytest.raises(exc, match=match):
+        flce.LinearCrossEntropyLoss(**kw)
+
+
 def test_module_unknown_and_misplaced_options():
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['label_smothing'\]"):
         flce.LinearCrossEntropyLoss(label_smothing=0.1)

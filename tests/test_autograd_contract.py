@@ -62,13 +62,14 @@ def test_eager_raises_for_these_changes(device, what, reduction):
     assert err is not None and INPLACE in str(err)
 
 
+@pytest.mark.parametrize("low_memory", [False, True])
 @pytest.mark.parametrize("what", ["input", "weight"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_single_chunk_raises_like_eager(backend, device, what, reduction):
+def test_single_chunk_raises_like_eager(backend, device, what, reduction, low_memory):
     """One chunk (the default at small batches) defers its GEMMs to backward: the operands they read are
-    version-checked, as eager's saved tensors."""
-    err = modify_after_forward(
-        lambda h, w, t: flce.linear_cross_entropy(h, w, t, reduction=reduction, backend=backend), what, device)
+    version-checked, as eager's saved tensors (so are the low-memory mode's, which recomputes)."""
+    err = modify_after_forward(lambda h, w, t: flce.linear_cross_entropy(h, w, t, reduction=reduction, backend=backend,
+                                                                        low_memory=low_memory), what, device)
     assert err is not None and INPLACE in str(err)
 
 
@@ -158,6 +159,14 @@ def test_second_derivative_raises_first_is_right(backend, device, reduction, chu
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")  # torch's advice
+def test_low_memory_refuses_create_graph(backend, device):
+    """The low-memory mode raises already at the create_graph=True backward, clearly."""
+    x, w, _, t = make(device)
+    loss = flce.linear_cross_entropy(x, w, t, backend=backend, low_memory=True)
+    with pytest.raises(RuntimeError, match=TWICE):
+        torch.autograd.grad(loss, x, create_graph=True)
+
+
 def test_create_graph_backward_accumulates_first_order_grads(backend, device):
     """loss.backward(create_graph=True) fills .grad with the right first derivative (no error until a
     second derivative is taken)."""
@@ -210,6 +219,8 @@ def test_grouped_linear_under_autocast_refuses_a_second_derivative(device):
 def test_undefined_grad_output_is_a_zero_gradient(backend, device, reduction):
     x, w, b, t = make(device, bias=True)
     for call in (lambda: flce.linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction, backend=backend),
+                 lambda: flce.linear_cross_entropy(x, w, t, linear_bias=b, reduction=reduction, backend=backend,
+                                                   low_memory=True),
                  lambda: flce.grouped_linear_cross_entropy(x[:, None], w[None], t[:, None], linear_bias=b[None],
                                                            reduction=reduction, backend=backend)):
         for p in (x, w, b):
@@ -278,10 +289,10 @@ GRADCHECK_OPTIONS = {
 
 @pytest.mark.parametrize("name", list(GRADCHECK_OPTIONS))
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("chunk_size", [None, 3])
-def test_finite_differences_float64(backend, device, name, reduction, chunk_size):
-    """Input, weight and bias, one chunk and several. Float64 always takes the torch twin (float64
-    arithmetic), whatever ``backend`` says; the loss is float64."""
+@pytest.mark.parametrize("chunk_size,low_memory", [(None, False), (3, False), (3, True)])
+def test_finite_differences_float64(backend, device, name, reduction, chunk_size, low_memory):
+    """Input, weight and bias, one chunk and several, and the low-memory mode. Float64 always takes the
+    torch twin (float64 arithmetic), whatever ``backend`` says; the loss is float64."""
     opts = dict(GRADCHECK_OPTIONS[name])
     x, w, b, t = make(device, n=5, hidden=4, vocab=7, dtype=torch.float64, bias=True)
     cw = torch.rand(7, device=device, dtype=torch.float64) + 0.3 if opts.pop("class_weight", False) else None
@@ -290,7 +301,7 @@ def test_finite_differences_float64(backend, device, name, reduction, chunk_size
 
     def fn(x, w, b):
         return flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, reduction=reduction, backend=backend,
-                                         chunk_size=chunk_size, **opts)
+                                         chunk_size=chunk_size, low_memory=low_memory, **opts)
 
     assert fn(x, w, b).dtype == torch.float64
     finite_difference_check(fn, (x, w, b))

@@ -1,7 +1,7 @@
 """Hypothesis: random shapes x options x dtypes x backends against the float64 reference.
 
-The core loss, the grouped loss (every group_reduction) and float64 inputs (float64 arithmetic, held
-to float64 rounding). Triton runs under the interpreter on a CPU, so shapes stay small; the example
+The core loss (also in its low-memory mode), the grouped loss (every group_reduction) and float64 inputs
+(float64 arithmetic, held to float64 rounding). Triton runs under the interpreter on a CPU, so shapes stay small; the example
 counts come from the hypothesis profile (tests/conftest.py: "default", or HYPOTHESIS_PROFILE=thorough).
 """
 
@@ -77,16 +77,17 @@ def num_items_for(t, choice):
     chunk=st.one_of(st.none(), st.integers(1, 16)), ignore=st.floats(0.0, 1.0),
     bias=st.booleans(), class_weight=st.booleans(), opts=options, dtype=DTYPES,
     num_items=st.sampled_from(["none", "none", "float", "0-d", "(1,)"]), validate=st.booleans(),
-    accum=st.sampled_from([None, torch.float32]),
+    accum=st.sampled_from([None, torch.float32]), low_memory=st.booleans(),
     backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**31 - 1),
 )
 # One vocabulary entry with z_loss: dz is only the z-loss term, which must not come out as the
 # difference of two rounded O(1) numbers (it did once: grad_input off by 1.03e-4).
 @example(n=1, hidden=1, vocab=1, lead=(), chunk=None, ignore=0.0, bias=False, class_weight=False,
          opts={"reduction": "mean", "label_smoothing": 0.0, "z_loss": 1e-3, "softcap": None, "temperature": 1.0},
-         dtype=torch.float32, num_items="none", validate=True, accum=None, backend=BACKENDS[-1], seed=1)
+         dtype=torch.float32, num_items="none", validate=True, accum=None, low_memory=False, backend=BACKENDS[-1],
+         seed=1)
 def test_random_cases_match_reference(n, hidden, vocab, lead, chunk, ignore, bias, class_weight, opts, dtype,
-                                      num_items, validate, accum, backend, seed):
+                                      num_items, validate, accum, low_memory, backend, seed):
     g = torch.Generator().manual_seed(seed)
     dev = DEVICE if backend == "triton" else torch.device("cpu")  # Triton runs on CUDA, or the interpreter
     x, w, b, t, cw = leaves(g, (*lead, n), hidden, vocab, dtype, bias, class_weight, ignore, dev)
@@ -94,7 +95,8 @@ def test_random_cases_match_reference(n, hidden, vocab, lead, chunk, ignore, bia
         num_items = "none"
     items = num_items_for(t, num_items)
     loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, chunk_size=chunk, backend=backend,
-                                     num_items_in_batch=items, validate_target=validate, accum_dtype=accum, **opts)
+                                     num_items_in_batch=items, validate_target=validate, low_memory=low_memory,
+                                     accum_dtype=None if low_memory else accum, **opts)
     ref, ref_leaves = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, num_items_in_batch=items, **opts)
     assert loss.dtype == torch.float32 and loss.shape == ref.shape
     assert_loss_close(loss, ref, 1e-5 if dtype == torch.float32 else TOL[dtype], loss_unit(t, opts["reduction"], items))
@@ -157,18 +159,18 @@ def test_grouped_random_cases_match_reference(B, G, hidden, vocab, group_major, 
 @given(
     n=st.integers(0, 30), hidden=st.integers(1, 16), vocab=st.integers(1, 200),
     chunk=st.one_of(st.none(), st.integers(1, 8)), ignore=st.floats(0.0, 1.0), bias=st.booleans(),
-    class_weight=st.booleans(), opts=options, autocast=st.booleans(),
+    class_weight=st.booleans(), opts=options, autocast=st.booleans(), low_memory=st.booleans(),
     backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**31 - 1),
 )
 def test_float64_cases_match_reference_to_float64_rounding(n, hidden, vocab, chunk, ignore, bias, class_weight,
-                                                          opts, autocast, backend, seed):
+                                                          opts, autocast, low_memory, backend, seed):
     """Float64 in, float64 out, float64 arithmetic throughout (torch twin whatever the backend), also
     under a bf16 autocast (which leaves float64 alone, as for F.linear)."""
     g = torch.Generator().manual_seed(seed)
     x, w, b, t, cw = leaves(g, (n,), hidden, vocab, torch.float64, bias, class_weight, ignore, DEVICE)
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
         loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, chunk_size=chunk, backend=backend,
-                                         **opts)
+                                         low_memory=low_memory, **opts)
     ref, ref_leaves = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, **opts)
     assert loss.dtype == torch.float64
     assert_loss_close(loss, ref, 1e-10, loss_unit(t, opts["reduction"], None))
