@@ -419,6 +419,18 @@ def test_float64_in_float64_out(backend, device, autocast):
     assert loss.dtype == x.grad.dtype == w.grad.dtype == stats.z_loss.dtype == torch.float64
 
 
+def test_float64_under_autocast_grouped(backend, device):
+    """The grouped loss and the grouped linear follow the same rule: float64 stays float64."""
+    x = torch.randn(4, 2, 8, device=device, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 20, 8, device=device, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 20, (4, 2), device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = flce.grouped_linear_cross_entropy(x, w, t, backend=backend)
+        y = flce.grouped_linear(x, w)
+    (loss + y.sum()).backward()
+    assert loss.dtype == y.dtype == x.grad.dtype == w.grad.dtype == torch.float64
+
+
 def test_autocast_mixed_float64_is_refused_like_eager(device):
     x = torch.randn(6, 8, device=device, dtype=torch.float64)
     w = torch.randn(20, 8, device=device)

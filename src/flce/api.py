@@ -81,7 +81,8 @@ def linear_cross_entropy(
             A GPU tensor's value is not read (no host sync): negative or non-finite gives a NaN loss.
         accum_dtype: grad_weight accumulator dtype (None: float32 across chunks, see planner).
         chunk_size: rows per chunk (None: from a memory budget, see planner).
-        backend: "auto" (triton on CUDA, torch elsewhere), "triton" or "torch".
+        backend: "auto" (triton on CUDA, torch elsewhere), "triton" or "torch" (float64 always takes
+            "torch", whose arithmetic is then float64).
         return_stats: also return a ``LossStats``.
         validate_target: raise a ValueError for targets outside [0, V). From 1024 tokens this is one
             host sync that also drops ignored rows before the GEMMs, wherever that can pay: on a GPU
