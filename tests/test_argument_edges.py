@@ -452,7 +452,8 @@ def test_triton_interpret_set_after_triton_import_is_a_clear_error(tmp_path):
         "import os, torch, triton, flce\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n"
         "try:\n"
-        "    flce.linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2]), backend='triton')\n"
+        "    x, w, t = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])\n"
+        "    flce.linear_cross_entropy(x, w, t, backend='triton')\n"
         "except ValueError as e:\n"
         "    print('ValueError:', e)\n"
     )

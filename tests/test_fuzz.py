@@ -1,8 +1,9 @@
 """Hypothesis: random shapes x options x dtypes x backends against the float64 reference.
 
-The core loss (also in its low-memory mode), the grouped loss (every group_reduction) and float64 inputs
-(float64 arithmetic, held to float64 rounding). Triton runs under the interpreter on a CPU, so shapes stay small; the example
-counts come from the hypothesis profile (tests/conftest.py: "default", or HYPOTHESIS_PROFILE=thorough).
+The core loss (also in its low-memory mode), the grouped loss (every group_reduction) and float64
+inputs (float64 arithmetic, held to float64 rounding). Triton runs under the interpreter on a CPU, so
+shapes stay small; the example counts come from the hypothesis profile (tests/conftest.py: "default",
+deterministic, or HYPOTHESIS_PROFILE=thorough, random).
 """
 
 import pytest
@@ -109,7 +110,8 @@ def test_random_cases_match_reference(n, hidden, vocab, lead, chunk, ignore, bia
         if got is not None:
             # 1e-4: fp32 cancellation in coef * p - (1 - eps) when V is tiny (dz ~ z_loss * lse)
             assert got.grad.dtype == dtype
-            assert_grad_close(got.grad, leaf.grad, GRAD_TOL[dtype], floor, f"grad_{name}")
+            assert_grad_close(got.grad, leaf.grad, GRAD_TOL[dtype], floor, f"grad_{name}",
+                              atol=GRAD_TOL[dtype] / 100)
 
 
 @given(

@@ -62,7 +62,8 @@ def check_class_weight(weight, vocab: int | None, device: torch.device | None = 
     require grad; so does flce (dropping that gradient silently would be a wrong answer)."""
     if vocab is None:
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 1:
-            what = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight).__name__
+            what = (f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor)
+                    else type(weight).__name__)
             raise TypeError(f"weight (class weights) must be a 1-D floating tensor (V,) or None, got {what}")
     else:
         check_vector("weight (class weights)", weight, vocab)

@@ -14,8 +14,9 @@ reduction="none" the per-row grad_output is only known in backward, so there the
 Autograd's contracts: what backward reads of the caller's tensors (a single chunk's GEMM operands, or
 every input for reduction="none") goes through ``save_for_backward``, so an in-place change between
 forward and backward raises as in eager PyTorch; so does one of the weight (see ``finish_forward``).
-Gradients computed in forward are those of the forward's values. The loss is differentiable once: under ``create_graph=True`` the gradients come back
-wired to raise if they are differentiated again (``first_order_only``), never a partial second derivative.
+Gradients computed in forward are those of the forward's values. The loss is differentiable once:
+under ``create_graph=True`` the gradients come back wired to raise if they are differentiated again
+(``first_order_only``), never a partial second derivative.
 The arithmetic of the loss is float32 (float64 for float64 logits: ``kernels.math_dtype``).
 """
 
@@ -241,7 +242,7 @@ def finish_forward(ctx, parts: LossParts, grads, grad_scale: torch.Tensor | None
     else:
         if isinstance(grads, PendingGrads):
             ctx.save_for_backward(grads.x, grads.w)
-            grads = PendingGrads(grads.dlogits, None, None, grads.scale)
+            grads.x = grads.w = None  # backward reads them from saved_tensors only
         else:
             ctx.save_for_backward(weight_as_used)
         ctx.grads = grads

@@ -29,7 +29,8 @@ class LossStats:
 
 
 def reduction_scale(t: torch.Tensor, class_w: torch.Tensor | None, opts: LossOptions, num_items,
-                    counts: torch.Tensor, count_scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    counts: torch.Tensor, count_scale: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """0-d ``dtype`` factor that turns the sum of row losses into the reduced loss (0 if nothing counts).
 
     Built with as few launches as possible (and no host-to-device copy, which would wait for the GPU).

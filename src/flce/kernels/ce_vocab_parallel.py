@@ -35,9 +35,10 @@ def shard_stats(
     Args:
         logits: (n, V_local) raw logits (before temperature and softcap), rows contiguous.
         target_local: (n,) int64 column of the target in this shard, -1 where it is not here.
-        class_weight: (V_local,) float32 slice of the class weights, or None.
-        out: (4, n) float32 (float64 for float64 logits), written: row max of z, sum of exp(z - max), z at the target (0 where
-            target_local is -1), sum_j w_j z_j (only when label smoothing is on, else left unwritten).
+        class_weight: (V_local,) slice of the class weights (in the math dtype), or None.
+        out: (4, n) float32 (float64 for float64 logits), written: row max of z, sum of exp(z - max),
+            z at the target (0 where target_local is -1), sum_j w_j z_j (only when label smoothing is
+            on, else left unwritten).
     """
     if logits.shape[1] == 0:  # an empty shard: neutral elements of max and sum
         out[ROW_MAX].fill_(float("-inf"))
