@@ -8,7 +8,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from hypothesis import HealthCheck, settings  # noqa: E402
+
 from flce.kernels import triton_available  # noqa: E402
+
+# Fuzzing budgets: "default" keeps the whole suite within minutes on two CPU cores (Triton under the
+# interpreter) and draws the same examples on every run (a CI failure is reproducible, never flaky);
+# HYPOTHESIS_PROFILE=thorough draws new ones, many more. No deadline: the interpreter is slow.
+for _name, _examples, _fixed in (("default", 30, True), ("thorough", 500, False)):
+    settings.register_profile(_name, max_examples=_examples, deadline=None, derandomize=_fixed,
+                              suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BACKENDS = ["torch", "triton"] if triton_available(DEVICE) else ["torch"]

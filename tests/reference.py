@@ -66,6 +66,17 @@ def assert_close(actual, expected, tol, what=""):
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
 
 
+def assert_loss_close(actual, expected, tol, unit=1.0, what="loss"):
+    """Loss values (any shape) within tol * (|expected| + unit) each. The absolute part covers a row whose
+    loss is far smaller than its terms: lse - z_y of a confident row cancels in float32 arithmetic
+    (eager float32 too), an error of a few ulps of lse. ``unit``: the loss's scale for O(1) rows (1 for a
+    mean or one row, the valid count for a sum)."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    bound = tol * (e.abs() + unit)
+    worst = ((a - e).abs() - bound).max().item() if a.numel() else 0.0
+    assert not a.isnan().any() and worst <= 0, f"{what}: off by more than {tol:.3g} * (|expected| + {unit})"
+
+
 def chunked_reference_grads(x, weight, target, chunk=1024):
     """Mean cross-entropy and its (grad_input, grad_weight) in float64, chunk by chunk (GPU-sized shapes).
 
@@ -89,3 +100,15 @@ def chunked_reference_grads(x, weight, target, chunk=1024):
         grad_w.addmm_(logits.T, x_c)
         del logits
     return total / n, grad_x, grad_w
+
+
+class DropGrad(torch.autograd.Function):
+    """Identity whose backward returns None: the tensor before it gets an undefined (None) gradient."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None

@@ -1,9 +1,17 @@
-"""Hypothesis: random shapes and option combinations against the float64 reference."""
+"""Hypothesis: random shapes x options x dtypes x backends against the float64 reference.
 
+The core loss (also in its low-memory mode), the grouped loss (every group_reduction) and float64
+inputs (float64 arithmetic, held to float64 rounding). Triton runs under the interpreter on a CPU, so
+shapes stay small; the example counts come from the hypothesis profile (tests/conftest.py: "default",
+deterministic, or HYPOTHESIS_PROFILE=thorough, random).
+"""
+
+import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from reference import assert_close, reference_loss
+from reference import TOL, assert_loss_close, reference_loss
+from test_grouped_loss import grouped_reference
 
 import flce
 from conftest import BACKENDS, DEVICE
@@ -12,41 +20,187 @@ options = st.fixed_dictionaries({
     "reduction": st.sampled_from(["mean", "sum", "none"]),
     "label_smoothing": st.sampled_from([0.0, 0.05, 0.5, 1.0]),
     "z_loss": st.sampled_from([0.0, 1e-3, 0.1]),
-    "softcap": st.sampled_from([None, 1.0, 30.0]),
+    "softcap": st.sampled_from([None, 1e-2, 1.0, 30.0, 1e7, 1e30]),
     "temperature": st.sampled_from([1.0, 0.5, 2.0]),
 })
+# Low-precision storage rounds the logits once, which bounds what any exact method can reach.
+DTYPES = st.sampled_from([torch.float32, torch.float32, torch.bfloat16, torch.float16])
+GRAD_TOL = {torch.float32: 1e-4, torch.bfloat16: TOL[torch.bfloat16], torch.float16: TOL[torch.float16]}
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def leaves(g, n_shape, hidden, vocab, dtype, bias, class_weight, ignore, dev):
+    """Fresh random inputs (leaves) for a case: x (*n_shape, H), w (V, H), b (V,), t, class weights."""
+    x = torch.randn(*n_shape, hidden, generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) / max(hidden, 1) ** 0.5).to(dtype)
+    b = torch.randn(vocab, generator=g).to(dtype) if bias else None
+    t = torch.randint(0, vocab, n_shape, generator=g)
+    t[torch.rand(n_shape, generator=g) < ignore] = -100
+    cw = torch.rand(vocab, generator=g) + 0.1 if class_weight else None
+    x, w, b = (v.to(dev).requires_grad_() if v is not None else None for v in (x, w, b))
+    return x, w, b, t.to(dev), cw.to(dev) if cw is not None else None
+
+
+def loss_unit(t, reduction, num_items) -> float:
+    """The loss's scale for O(1) rows: the valid count for a plain sum, else 1 (see assert_loss_close)."""
+    return float(max(int((t != -100).sum()), 1)) if reduction == "sum" and num_items is None else 1.0
+
+
+def grad_floors(reference, grad_out, opts) -> list:
+    """Per differentiable input, the norm of its gradient without softcap (0 if no softcap): the natural
+    scale of that gradient. A saturating softcap multiplies dz by 1 - tanh^2, ~1e-18 for logits 50
+    times the cap, which float32 resolves only to ~1e-7 of that scale (eager float32 alike)."""
+    if opts["softcap"] is None:
+        return [0.0, 0.0, 0.0]
+    ref, ref_leaves = reference(softcap=None)
+    ref.backward(grad_out)
+    return [leaf.grad.norm().item() if leaf is not None else 0.0 for leaf in ref_leaves]
+
+
+def assert_grad_close(got, want, tol, floor, what, atol=0.0):
+    """||got - want|| <= tol * max(||want||, floor) + atol (atol: rounding noise where the gradient is an
+    exact 0, e.g. V = 1, whose terms cancel to a few ulps of O(1) values)."""
+    err = (got.detach().double().cpu() - want.double().cpu()).norm().item()
+    bound = tol * max(want.norm().item(), floor) + atol
+    assert not got.isnan().any() and err <= bound, f"{what}: error {err:.3g} > {bound:.3g}"
+
+
+def num_items_for(t, choice):
+    """None, or the valid count (as an int, a 0-d or a (1,) tensor, HF's forms) plus 1.5."""
+    if choice == "none":
+        return None
+    count = int((t != -100).sum()) + 1.5
+    return {"float": count, "0-d": torch.tensor(count, device=t.device),
+            "(1,)": torch.tensor([count], device=t.device)}[choice]
+
+
 @given(
-    n=st.integers(0, 40), hidden=st.integers(1, 24), vocab=st.integers(1, 300),
+    n=st.integers(0, 40), hidden=st.integers(1, 24), vocab=st.integers(1, 300), lead=st.sampled_from([(), (2,)]),
     chunk=st.one_of(st.none(), st.integers(1, 16)), ignore=st.floats(0.0, 1.0),
-    bias=st.booleans(), class_weight=st.booleans(), opts=options,
+    bias=st.booleans(), class_weight=st.booleans(), opts=options, dtype=DTYPES,
+    num_items=st.sampled_from(["none", "none", "float", "0-d", "(1,)"]), validate=st.booleans(),
+    accum=st.sampled_from([None, torch.float32]), low_memory=st.booleans(),
     backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**31 - 1),
 )
 # One vocabulary entry with z_loss: dz is only the z-loss term, which must not come out as the
 # difference of two rounded O(1) numbers (it did once: grad_input off by 1.03e-4).
-@example(n=1, hidden=1, vocab=1, chunk=None, ignore=0.0, bias=False, class_weight=False,
+@example(n=1, hidden=1, vocab=1, lead=(), chunk=None, ignore=0.0, bias=False, class_weight=False,
          opts={"reduction": "mean", "label_smoothing": 0.0, "z_loss": 1e-3, "softcap": None, "temperature": 1.0},
-         backend=BACKENDS[-1], seed=1)
-def test_random_cases_match_reference(n, hidden, vocab, chunk, ignore, bias, class_weight, opts, backend, seed):
+         dtype=torch.float32, num_items="none", validate=True, accum=None, low_memory=False, backend=BACKENDS[-1],
+         seed=1)
+def test_random_cases_match_reference(n, hidden, vocab, lead, chunk, ignore, bias, class_weight, opts, dtype,
+                                      num_items, validate, accum, low_memory, backend, seed):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, hidden, generator=g).requires_grad_()
-    w = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).requires_grad_()
-    b = torch.randn(vocab, generator=g).requires_grad_() if bias else None
-    t = torch.randint(0, vocab, (n,), generator=g)
-    t[torch.rand(n, generator=g) < ignore] = -100
-    cw = torch.rand(vocab, generator=g) + 0.1 if class_weight else None
     dev = DEVICE if backend == "triton" else torch.device("cpu")  # Triton runs on CUDA, or the interpreter
-    x, w, b, t, cw = (v.detach().to(dev).requires_grad_(v.requires_grad) if v is not None else None
-                      for v in (x, w, b, t, cw))
-    loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, chunk_size=chunk, backend=backend, **opts)
-    ref, leaves = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, **opts)
-    assert_close(loss, ref, 1e-5, "loss")
+    x, w, b, t, cw = leaves(g, (*lead, n), hidden, vocab, dtype, bias, class_weight, ignore, dev)
+    if opts["reduction"] == "none":
+        num_items = "none"
+    items = num_items_for(t, num_items)
+    loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, chunk_size=chunk, backend=backend,
+                                     num_items_in_batch=items, validate_target=validate, low_memory=low_memory,
+                                     accum_dtype=None if low_memory else accum, **opts)
+    ref, ref_leaves = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, num_items_in_batch=items, **opts)
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    assert_loss_close(loss, ref, 1e-5 if dtype == torch.float32 else TOL[dtype], loss_unit(t, opts["reduction"], items))
     grad_out = torch.randn(ref.shape, generator=g, dtype=torch.float64).to(dev)
     loss.backward(grad_out.float())
     ref.backward(grad_out)
-    for got, leaf, name in zip((x, w, b), leaves, ("input", "weight", "bias")):
+    floors = grad_floors(lambda **o: reference_loss(x, w, t, linear_bias=b, weight_cls=cw, num_items_in_batch=items,
+                                                    **{**opts, **o}), grad_out, opts)
+    for got, leaf, floor, name in zip((x, w, b), ref_leaves, floors, ("input", "weight", "bias")):
         if got is not None:
             # 1e-4: fp32 cancellation in coef * p - (1 - eps) when V is tiny (dz ~ z_loss * lse)
-            assert_close(got.grad, leaf.grad, 1e-4, f"grad_{name}")
+            assert got.grad.dtype == dtype
+            assert_grad_close(got.grad, leaf.grad, GRAD_TOL[dtype], floor, f"grad_{name}",
+                              atol=GRAD_TOL[dtype] / 100)
+
+
+@given(
+    B=st.integers(0, 9), G=st.integers(1, 4), hidden=st.integers(1, 12), vocab=st.integers(1, 80),
+    group_major=st.booleans(), group_reduction=st.sampled_from(["sum", "mean", "pooled"]),
+    chunk=st.one_of(st.none(), st.integers(1, 5)), ignore=st.floats(0.0, 1.0), bias=st.booleans(),
+    class_weight=st.booleans(), opts=options, num_items=st.sampled_from(["none", "none", "float"]),
+    backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**31 - 1),
+)
+def test_grouped_random_cases_match_reference(B, G, hidden, vocab, group_major, group_reduction, chunk, ignore, bias,
+                                              class_weight, opts, num_items, backend, seed):
+    g = torch.Generator().manual_seed(seed)
+    dev = DEVICE if backend == "triton" else torch.device("cpu")
+    lead = (G, B) if group_major else (B, G)
+    x = torch.randn(*lead, hidden, generator=g).to(dev).requires_grad_()
+    w = (torch.randn(G, vocab, hidden, generator=g) / hidden**0.5).to(dev).requires_grad_()
+    b = torch.randn(G, vocab, generator=g).to(dev).requires_grad_() if bias else None
+    t = torch.randint(0, vocab, lead, generator=g)
+    t[torch.rand(lead, generator=g) < ignore] = -100
+    t = t.to(dev)
+    cw = (torch.rand(vocab, generator=g) + 0.1).to(dev) if class_weight else None
+    items = None if opts["reduction"] == "none" else num_items_for(t, num_items)
+    loss = flce.grouped_linear_cross_entropy(x, w, t, group_major=group_major, group_reduction=group_reduction,
+                                             linear_bias=b, weight=cw, chunk_size=chunk, backend=backend,
+                                             num_items_in_batch=items, **opts)
+    ref, ref_grads = grouped_reference(x, w, b, t, cw, group_major, num_items_in_batch=items,
+                                       group_reduction=group_reduction, **opts)
+    assert loss.shape == ref.shape
+    unit = loss_unit(t, opts["reduction"], items) * (G if group_reduction == "sum" else 1)
+    assert_loss_close(loss, ref, 1e-5, unit)
+    grad_out = torch.randn(ref.shape, generator=g, dtype=torch.float64).to(dev)
+    loss.backward(grad_out.float())
+    ref.backward(grad_out)
+
+    floors = [0.0, 0.0, 0.0]
+    if opts["softcap"] is not None:
+        ref_nc, grads_nc = grouped_reference(x, w, b, t, cw, group_major, num_items_in_batch=items,
+                                             group_reduction=group_reduction, **{**opts, "softcap": None})
+        ref_nc.backward(grad_out)
+        floors = [v.norm().item() if v is not None else 0.0 for v in grads_nc()]
+    for name, got, want, floor in zip(("input", "weight", "bias"), (x.grad, w.grad, b.grad if b is not None else None),
+                                      ref_grads(), floors):
+        if want is not None:
+            assert_grad_close(got, want, 1e-4, floor, f"grad_{name}")
+
+
+@given(
+    n=st.integers(0, 30), hidden=st.integers(1, 16), vocab=st.integers(1, 200),
+    chunk=st.one_of(st.none(), st.integers(1, 8)), ignore=st.floats(0.0, 1.0), bias=st.booleans(),
+    class_weight=st.booleans(), opts=options, autocast=st.booleans(), low_memory=st.booleans(),
+    backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**31 - 1),
+)
+def test_float64_cases_match_reference_to_float64_rounding(n, hidden, vocab, chunk, ignore, bias, class_weight,
+                                                          opts, autocast, low_memory, backend, seed):
+    """Float64 in, float64 out, float64 arithmetic throughout (torch twin whatever the backend), also
+    under a bf16 autocast (which leaves float64 alone, as for F.linear)."""
+    g = torch.Generator().manual_seed(seed)
+    x, w, b, t, cw = leaves(g, (n,), hidden, vocab, torch.float64, bias, class_weight, ignore, DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, chunk_size=chunk, backend=backend,
+                                         low_memory=low_memory, **opts)
+    ref, ref_leaves = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, **opts)
+    assert loss.dtype == torch.float64
+    assert_loss_close(loss, ref, 1e-10, loss_unit(t, opts["reduction"], None))
+    grad_out = torch.randn(ref.shape, generator=g, dtype=torch.float64).to(DEVICE)
+    loss.backward(grad_out)
+    ref.backward(grad_out)
+    floors = grad_floors(lambda **o: reference_loss(x, w, t, linear_bias=b, weight_cls=cw, **{**opts, **o}),
+                         grad_out, opts)
+    for got, leaf, floor, name in zip((x, w, b), ref_leaves, floors, ("input", "weight", "bias")):
+        if got is not None:
+            assert got.grad.dtype == torch.float64
+            assert_grad_close(got.grad, leaf.grad, 1e-9, floor, f"grad_{name}", atol=1e-13)
+
+
+@pytest.mark.gpu
+@settings(deadline=None, max_examples=30)
+@given(n=st.integers(1, 600), vocab=st.sampled_from([8, 1000, 32000, 32003]), opts=options,
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1))
+def test_gpu_random_cases(n, vocab, opts, dtype, seed):
+    """Larger shapes on a GPU: from 256 rows, bf16 and V % 8 == 0 take the fused Hopper GEMM."""
+    g = torch.Generator().manual_seed(seed)
+    x, w, b, t, cw = leaves(g, (n,), 128, vocab, dtype, True, False, 0.2, torch.device("cuda"))
+    loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, **opts)
+    ref, ref_leaves = reference_loss(x, w, t, linear_bias=b, **opts)
+    assert_loss_close(loss, ref, 1e-5 if dtype == torch.float32 else TOL[dtype], loss_unit(t, opts["reduction"], None))
+    grad_out = torch.randn(ref.shape, generator=g, dtype=torch.float64).cuda()
+    loss.backward(grad_out.float())
+    ref.backward(grad_out)
+    floors = grad_floors(lambda **o: reference_loss(x, w, t, linear_bias=b, **{**opts, **o}), grad_out, opts)
+    for got, leaf, floor in zip((x, w, b), ref_leaves, floors):
+        assert_grad_close(got.grad, leaf.grad, GRAD_TOL[dtype], floor, "grad")

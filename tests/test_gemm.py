@@ -11,7 +11,7 @@ from flce import gemm
 @pytest.mark.parametrize("force_fallback", [False, True])
 @pytest.mark.parametrize("out_dtype,op_dtype", [
     (torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16),
-    (torch.float32, torch.float32),
+    (torch.float32, torch.float32), (torch.float64, torch.float64), (torch.float64, torch.bfloat16),
 ])
 def test_mm_into_matches_float64(device, monkeypatch, force_fallback, out_dtype, op_dtype):
     monkeypatch.setattr(gemm, "FORCE_FALLBACK", force_fallback)
@@ -20,7 +20,7 @@ def test_mm_into_matches_float64(device, monkeypatch, force_fallback, out_dtype,
     gemm.mm_into(out, a1, b1, accumulate=False)
     gemm.mm_into(out, a2, b2, accumulate=True)
     want = a1.double() @ b1.double() + a2.double() @ b2.double()
-    tol = 1e-5 if op_dtype == out_dtype == torch.float32 else 1e-2
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(op_dtype, 1e-2)
     assert out.dtype == out_dtype
     assert rel_err(out, want) < tol
 
@@ -47,7 +47,7 @@ def test_mm_new_matches_float64(device, k, out_dtype, op_dtype):
     a, b = torch.randn(k, 33, device=device).to(op_dtype), torch.randn(k, 19, device=device).to(op_dtype)
     out = gemm.mm_new(a.t(), b, out_dtype)
     assert out.shape == (33, 19) and out.dtype == out_dtype and out.is_contiguous()
-    tol = 1e-5 if op_dtype == out_dtype == torch.float32 else 1e-2
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(op_dtype, 1e-2)
     assert rel_err(out, a.double().t() @ b.double()) < tol
 
 

@@ -29,28 +29,34 @@ def make_case(B, G, hidden, vocab, dtype, device, *, group_major=False, bias=Fal
     return x, w, b, t, cw
 
 
-def grouped_reference(x, w, b, t, cw, group_major, reduction="mean", num_items_in_batch=None, **opts):
-    """Per group, the float64 reference with reduction="none"; then the grouped reduction (see
-    grouped_loss's docstring). Returns (loss, grads_fn) where grads_fn() gathers the float64 grads."""
+def grouped_reference(x, w, b, t, cw, group_major, reduction="mean", num_items_in_batch=None, group_reduction="sum",
+                      **opts):
+    """Per group g, the float64 reference L_g under ``reduction`` and ``num_items_in_batch``; then the
+    groups' combination (see grouped_loss's docstring): sum_g L_g, their mean, or "pooled", every token
+    of every group as one batch. Returns (loss, grads_fn) where grads_fn() gathers the float64 grads;
+    ``grouped_reference.group_losses`` holds the (G,) per-group losses as LossStats reports them."""
     dim = 0 if group_major else 1
-    rows, leaves = [], []
+    per_group, rows, leaves = [], [], []
     for g in range(w.shape[0]):
         b_g = b[g] if b is not None else None
-        r, lv = reference_loss(x.select(dim, g), w[g], t.select(dim, g), linear_bias=b_g, weight_cls=cw,
-                               reduction="none", **opts)
+        kw = dict(linear_bias=b_g, weight_cls=cw, **opts)
+        r, lv = reference_loss(x.select(dim, g), w[g], t.select(dim, g), reduction="none", **kw)
         rows.append(r)
         leaves.append(lv)
+        if reduction != "none":  # L_g through the same (float64) leaves
+            loss_g, _ = _reduce(r, t.select(dim, g), cw, reduction, num_items_in_batch, opts)
+            per_group.append(loss_g)
     rows = torch.stack(rows, dim)
     if reduction == "none":
         loss = rows
-    elif num_items_in_batch is not None:
-        loss = rows.sum() / float(num_items_in_batch)
-    elif reduction == "sum":
-        loss = rows.sum()
+    elif group_reduction == "pooled":
+        loss, _ = _reduce(rows, t, cw, reduction, num_items_in_batch, opts)
+        sums = rows.sum(1 - dim)
+        grouped_reference.group_losses = sums * (loss / rows.sum() if rows.sum() != 0 else 0.0)
     else:
-        valid = t != opts.get("ignore_index", -100)
-        denom = cw.double()[t[valid]].sum() if cw is not None else valid.sum().double()
-        loss = rows.sum() / denom if denom != 0 else rows.sum() * 0.0
+        stacked = torch.stack(per_group)
+        grouped_reference.group_losses = stacked.detach()
+        loss = stacked.sum() if group_reduction == "sum" else stacked.mean()
 
     def grads():
         out = []
@@ -62,6 +68,17 @@ def grouped_reference(x, w, b, t, cw, group_major, reduction="mean", num_items_i
     return loss, grads
 
 
+def _reduce(rows, t, cw, reduction, num_items_in_batch, opts):
+    """F.cross_entropy's reduction of per-token losses (float64), with num_items_in_batch as HF's."""
+    if num_items_in_batch is not None:
+        return rows.sum() / float(num_items_in_batch), None
+    if reduction == "sum":
+        return rows.sum(), None
+    valid = t != opts.get("ignore_index", -100)
+    denom = cw.double()[t[valid]].sum() if cw is not None else valid.sum().double()
+    return (rows.sum() / denom if denom != 0 else rows.sum() * 0.0), None
+
+
 def check(backend, device, *, B=7, G=3, hidden=16, vocab=50, dtype=torch.float32, group_major=False,
           reduction="mean", grad_tol=None, **opts):
     case = {k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts}
@@ -69,7 +86,7 @@ def check(backend, device, *, B=7, G=3, hidden=16, vocab=50, dtype=torch.float32
                                ignore_index=opts.get("ignore_index", -100), **case)
     loss = flce.grouped_linear_cross_entropy(x, w, t, group_major=group_major, linear_bias=b, weight=cw,
                                              reduction=reduction, backend=backend, **opts)
-    for k in ("chunk_size", "accum_dtype", "validate_target"):
+    for k in ("chunk_size", "accum_dtype", "validate_target", "return_stats"):
         opts.pop(k, None)
     ref, ref_grads = grouped_reference(x, w, b, t, cw, group_major, reduction, **opts)
     tol = TOL[dtype]
@@ -112,31 +129,54 @@ def test_odd_shapes(backend, device, B, G, hidden, vocab, chunk, group_major):
           label_smoothing=0.1, ignore=0.2, reduction="none")
 
 
+@pytest.mark.parametrize("group_reduction", ["sum", "mean", "pooled"])
 @pytest.mark.parametrize("group_major", [False, True])
-def test_equals_sum_over_groups_of_linear_cross_entropy(device, group_major):
-    """"sum" is the sum of per-group sums; "mean" is that sum over the valid tokens of all groups, i.e. the
-    per-group losses with num_items_in_batch = the total count. Checked on values and gradients."""
+def test_equals_a_loop_of_linear_cross_entropy(device, group_major, group_reduction):
+    """The contract, against flce's own per-group calls L_g = linear_cross_entropy(x_g, W_g, t_g, ...):
+    "sum" is sum_g L_g, "mean" their mean, "pooled" the per-group sums over the valid tokens (class
+    weights) of all groups, i.e. each L_g with num_items_in_batch = that total. Values and gradients."""
     x, w, b, t, cw = make_case(9, 3, 12, 40, torch.float32, device, group_major=group_major, bias=True,
                                weight_cls=True, ignore=0.3)
+    t.select(0 if group_major else 1, 2)[:7] = -100  # groups with different valid counts
     dim = 0 if group_major else 1
-    total = (t != -100).sum()
     denom = cw[t[t != -100]].sum()
-    for reduction, per_group_kw in (("sum", {"reduction": "sum"}), ("mean", {"num_items_in_batch": denom})):
+    per_group_kw = {"num_items_in_batch": denom} if group_reduction == "pooled" else {}
+    for reduction in ("sum", "mean"):
         for p in (x, w, b):
             p.grad = None
-        grouped_l = flce.grouped_linear_cross_entropy(x, w, t, group_major=group_major, linear_bias=b,
-                                                      weight=cw, reduction=reduction, z_loss=1e-3, chunk_size=4)
+        grouped_l = flce.grouped_linear_cross_entropy(x, w, t, group_major=group_major, linear_bias=b, weight=cw,
+                                                      reduction=reduction, z_loss=1e-3, chunk_size=4,
+                                                      group_reduction=group_reduction)
         grouped_l.backward()
         grouped_grads = [p.grad.clone() for p in (x, w, b)]
         for p in (x, w, b):
             p.grad = None
-        loop = sum(flce.linear_cross_entropy(x.select(dim, g), w[g], t.select(dim, g), linear_bias=b[g],
-                                             weight=cw, z_loss=1e-3, **per_group_kw) for g in range(3))
+        kw = per_group_kw if reduction == "mean" else {}
+        losses = [flce.linear_cross_entropy(x.select(dim, g), w[g], t.select(dim, g), linear_bias=b[g], weight=cw,
+                                            z_loss=1e-3, reduction=reduction, **kw) for g in range(3)]
+        loop = sum(losses) / (3 if group_reduction == "mean" else 1)
         loop.backward()
         assert_close(grouped_l, loop, 1e-6, reduction)
         for got, want in zip(grouped_grads, (x.grad, w.grad, b.grad)):
             assert_close(got, want, 1e-5, reduction)
-    assert total > 0
+
+
+@pytest.mark.parametrize("group_reduction", ["sum", "mean", "pooled"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_group_losses_in_stats_match_float64(backend, device, group_reduction, reduction):
+    """LossStats.group_losses: each group's loss L_g (its share of the pooled loss for "pooled"), against
+    the per-group float64 reference; their sum (mean for "mean") is the loss."""
+    x, w, b, t, cw = make_case(8, 3, 12, 30, torch.float32, device, bias=True, weight_cls=True, ignore=0.3)
+    t[:6, 1] = -100
+    kw = dict(linear_bias=b, weight=cw, reduction=reduction, label_smoothing=0.1, group_reduction=group_reduction)
+    loss, stats = flce.grouped_linear_cross_entropy(x, w, t, return_stats=True, backend=backend, chunk_size=3, **kw)
+    kw.pop("linear_bias"), kw.pop("weight")
+    ref, _ = grouped_reference(x, w, b, t, cw, False, **kw)
+    assert_close(loss, ref, 1e-5, "loss")
+    assert stats.group_losses.shape == (3,)
+    assert_close(stats.group_losses, grouped_reference.group_losses, 1e-5, "group_losses")
+    combined = stats.group_losses.mean() if group_reduction == "mean" else stats.group_losses.sum()
+    assert_close(combined, loss.detach(), 1e-6, "sum of group losses")
 
 
 def test_num_items_in_batch(device):
@@ -219,7 +259,8 @@ def test_no_grad_path_and_stats(backend, device):
     assert stats.num_valid.item() == valid.sum().item()
     acc = ((logits.argmax(-1) == t) & valid).sum() / valid.sum()
     assert stats.accuracy.item() == pytest.approx(acc.item(), abs=1e-6)
-    assert stats.z_loss.item() == pytest.approx(((1e-2 * lse.square() * valid).sum() / valid.sum()).item(), rel=1e-5)
+    z_per_group = (1e-2 * lse.square() * valid).sum(0) / valid.sum(0)  # group_reduction="sum": of each group's mean
+    assert stats.z_loss.item() == pytest.approx(z_per_group.sum().item(), rel=1e-5)
     rows, stats_none = flce.grouped_linear_cross_entropy(x, w, t, z_loss=1e-2, reduction="none",
                                                          return_stats=True, backend=backend)
     assert rows.shape == t.shape and stats_none.z_loss.shape == t.shape
@@ -265,7 +306,7 @@ def test_bad_inputs_raise(device):
         call(x, w, t.t())
     with pytest.raises(ValueError, match="linear_bias"):
         call(x, w, t, linear_bias=torch.randn(20, device=device))
-    with pytest.raises(ValueError, match="weight must be"):
+    with pytest.raises(ValueError, match=r"weight \(class weights\) must be"):
         call(x, w, t, weight=torch.rand(3, 20, device=device))
     with pytest.raises(TypeError, match="target"):
         call(x, w, t.float())

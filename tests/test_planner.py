@@ -63,6 +63,12 @@ def test_several_chunks_accumulate_in_fp32():
     assert plan.accum_dtype == torch.float32
 
 
+def test_float64_keeps_float64_accumulators():
+    """Float64 weights: one chunk or many, the accumulator is float64 (never narrowed to float32)."""
+    for n in (16, 32768):
+        assert plan_chunks(n, 128256, torch.float64, torch.float64).accum_dtype == torch.float64
+
+
 def test_user_choices_win():
     plan = plan_chunks(1000, 50, torch.bfloat16, torch.bfloat16, chunk_size=64, accum_dtype=torch.bfloat16)
     assert plan.rows == 64 and plan.accum_dtype == torch.bfloat16 and plan.num_chunks == 16

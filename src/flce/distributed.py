@@ -11,33 +11,28 @@ all-reduce over the whole grad_input at the end. Neither logits nor weights trav
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .api import (
-    LossStats,
-    _check_and_compact,
-    _check_tensors,
-    _compute_dtype,
-    _reduction_scale,
-    _scatter_rows,
-    _stats,
-)
-from .function import ChunkGrads, LossParts, finish_forward, scale_grads, take_grads
+from .checks import check_and_compact, check_class_weight, check_tensors, compute_dtype, flat_targets
+from .function import ChunkGrads, LossParts, finish_forward, not_twice_differentiable, release, scale_grads, take_grads
 from .gemm import mm_into
 from .import_hooks import compile_disabled
-from .kernels import resolve_backend
+from .kernels import math_dtype, resolve_backend
 from .kernels.ce_vocab_parallel import ROW_MAX, STATS, SUM_EXP, SUM_LOGITS, TARGET_LOGIT, shard_grad, shard_stats
 from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
 from .planner import ChunkPlan, plan_chunks, weight_grad_hidden
+from .reduction import LossStats, loss_stats, reduction_scale, scatter_rows
 
 __all__ = [
+    "DTensorLocals",
     "ShardLayout",
+    "dtensor_locals",
     "is_dtensor",
     "learn_layout",
-    "linear_cross_entropy_dtensor",
     "vocab_parallel_linear_cross_entropy",
 ]
 
@@ -78,17 +73,19 @@ class _Setup:
 @dataclass
 class _Rows:
     """Per-row facts for all n rows. local: (n,) int64 target column in this shard, -1 if elsewhere or
-    ignored; valid: (n,) bool; target_weight: (n,) float32 class weight of the target (1 without)."""
+    ignored; valid: (n,) bool; target_weight: (n,) class weight of the target (1 without), in the math
+    dtype; poison: None, or (n,) NaN where an unchecked target is outside [0, V), else 0."""
 
     local: torch.Tensor
     valid: torch.Tensor
     target_weight: torch.Tensor
+    poison: torch.Tensor | None = None
 
 
 @dataclass
 class _Classes:
-    """Class weights: ``local`` (V_local,) float32 slice or None; ``total`` their sum over all V (a 0-d
-    float32 tensor, or V as a float without class weights: no host-to-device copy)."""
+    """Class weights: ``local`` (V_local,) slice in the math dtype, or None; ``total`` their sum over all V
+    (a 0-d tensor, or V as a float without class weights: no host-to-device copy)."""
 
     local: torch.Tensor | None
     total: torch.Tensor | float
@@ -132,9 +129,11 @@ def vocab_parallel_linear_cross_entropy(
         shard_sizes: every rank's V_r, if known (skips learning it with an all-gather).
         linear_bias: (V_r,) this rank's slice of the bias, or None.
         weight: (V,) class weights over the full vocabulary, the same on every rank, or None.
-        Other options: as in ``flce.linear_cross_entropy``. ``return_stats``' accuracy counts a tie
-        for the top logit as a hit. ``validate_target`` also checks that the shard sizes agree and
-        that the target is the same on every rank (a weight sharded by FSDP must be unsharded first).
+        Other options: as in ``flce.linear_cross_entropy`` (float64 inputs: float64 arithmetic;
+        differentiable once). ``return_stats``' accuracy counts a tie for the top logit as a hit.
+        ``validate_target`` also checks that the shard sizes agree and that the target is the same on
+        every rank (a weight sharded by FSDP must be unsharded first); with False, a target outside
+        [0, V) gives its row a NaN loss and gradient, as in the one-device loss.
 
     Host syncs: one to learn the layout (skipped with ``shard_sizes`` and validate_target=False, the
     sync-free setting), one for validation, as in the single-GPU function.
@@ -143,44 +142,49 @@ def vocab_parallel_linear_cross_entropy(
         raise RuntimeError("vocab_parallel_linear_cross_entropy needs an initialized torch.distributed "
                            "process group; on one device use flce.linear_cross_entropy")
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction)
-    _check_tensors(input, linear_weight_shard, target, linear_bias, None)
-    check_run_options(reduction, num_items_in_batch, chunk_size, accum_dtype)
-    backend = resolve_backend(backend, input.device)
-    compute_dtype = _compute_dtype(input, linear_weight_shard, linear_bias)
+    check_tensors(input, linear_weight_shard, target, linear_bias, None, min_vocab=0)  # weight: after the layout
+    num_items = check_run_options(reduction, num_items_in_batch, chunk_size, accum_dtype, backend, return_stats,
+                                  validate_target)
+    dtype = compute_dtype(input, linear_weight_shard, linear_bias)
+    backend = resolve_backend(backend, input.device, dtype)
+    acc = math_dtype(dtype)
 
     hidden, local_vocab = input.shape[-1], linear_weight_shard.shape[0]
     x = input.reshape(-1, hidden)
-    t = target.reshape(-1).long().contiguous()
-    valid = t != ignore_index
+    t = flat_targets(target, opts.ignore_index)
+    valid = t != opts.ignore_index
     layout = learn_layout(local_vocab, t, group, shard_sizes, check=validate_target)
-    _check_class_weight(weight, layout.vocab, input.device)
-    counts, count_scale = count_targets(t, ignore_index, layout.vocab, backend)
+    if layout.vocab == 0:
+        raise ValueError(f"the vocabulary is empty: every rank's linear_weight_shard has 0 rows ({layout.sizes})")
+    if weight is not None:
+        check_class_weight(weight, layout.vocab, input.device)
+    counts, count_scale = count_targets(t, opts.ignore_index, layout.vocab, backend)
     rows = None
     if validate_target and t.numel():
-        rows = _check_and_compact(t, layout.vocab, ignore_index, counts)
+        rows, _ = check_and_compact(t, layout.vocab, opts.ignore_index, counts, target)
         if rows is not None:
             x, t = x.index_select(0, rows), t.index_select(0, rows)
 
-    class_w = weight.float().contiguous() if weight is not None else None
-    scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch, count_scale)
-    plan = plan_chunks(x.shape[0], local_vocab, compute_dtype, linear_weight_shard.dtype,
+    class_w = weight.to(acc).contiguous() if weight is not None else None
+    scale = None if reduction == "none" else reduction_scale(t, class_w, opts, num_items, counts, count_scale, acc)
+    plan = plan_chunks(x.shape[0], local_vocab, dtype, linear_weight_shard.dtype,
                        chunk_size=chunk_size, accum_dtype=accum_dtype,
                        weight_grad_hidden=weight_grad_hidden(linear_weight_shard))
-    setup = _Setup(opts, plan, compute_dtype, backend, layout, group, return_stats)
-    row_facts, classes = _row_facts(t, class_w, layout, opts)
+    setup = _Setup(opts, plan, dtype, backend, layout, group, return_stats)
+    row_facts, classes = _row_facts(t, class_w, layout, opts, acc, poison=not validate_target)
     args = (x, linear_weight_shard, linear_bias)
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args):
-        loss, lse, correct = VocabParallelFunction.apply(*args, row_facts, classes, scale, setup)
+        loss, lse, correct, _ = VocabParallelFunction.apply(*args, row_facts, classes, scale, setup)
     else:
         parts, _ = _chunk_loop(*args, row_facts, classes, setup, None, (False, False, False))
         loss = parts.loss if scale is None else parts.loss.sum() * scale
         lse, correct = parts.lse, parts.correct
 
     if reduction == "none":
-        loss = _scatter_rows(loss, rows, valid.numel()).reshape(target.shape)
+        loss = scatter_rows(loss, rows, valid.numel()).reshape(target.shape)
     if not return_stats:
         return loss
-    return loss, _stats(lse, correct, valid, rows, scale, opts, target.shape)
+    return loss, loss_stats(lse, correct, valid, rows, scale, opts, target.shape)
 
 
 def learn_layout(local_vocab: int, target: torch.Tensor, group: dist.ProcessGroup | None,
@@ -221,29 +225,21 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     return ((t % 65521 + 1) * (pos % 65519 + 1)).sum()
 
 
-def _check_class_weight(weight, vocab: int, device: torch.device) -> None:
-    if weight is None:
-        return
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or tuple(weight.shape) != (vocab,):
-        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise ValueError(f"weight (class weights) must be a floating tensor over the full vocabulary, shape "
-                         f"({vocab},), the same on every rank; got {shape}")
-    if weight.device != device:
-        raise ValueError(f"weight is on {weight.device}, input on {device}")
-
-
-def _row_facts(t: torch.Tensor, class_w: torch.Tensor | None, layout: ShardLayout,
-               opts: LossOptions) -> tuple[_Rows, _Classes]:
+def _row_facts(t: torch.Tensor, class_w: torch.Tensor | None, layout: ShardLayout, opts: LossOptions,
+               acc: torch.dtype, poison: bool) -> tuple[_Rows, _Classes]:
+    """Per-row facts (t: (n,) int64) and the class weights; ``poison``: mark unchecked targets outside
+    [0, V), which no shard holds, so that their rows come out NaN (as in the one-device loss)."""
     valid = t != opts.ignore_index
     local = t - layout.start
     here = valid & (local >= 0) & (local < layout.sizes[layout.rank])
     if class_w is None:
-        target_weight = torch.ones(t.shape, dtype=torch.float32, device=t.device)
+        target_weight = torch.ones(t.shape, dtype=acc, device=t.device)
         classes = _Classes(None, float(layout.vocab))
     else:
         target_weight = class_w[t.clamp(0, layout.vocab - 1)]
         classes = _Classes(class_w[layout.start:layout.end], class_w.sum())
-    return _Rows(torch.where(here, local, -1), valid, target_weight), classes
+    bad = torch.where(valid & ((t < 0) | (t >= layout.vocab)), float("nan"), 0.0).to(acc) if poison else None
+    return _Rows(torch.where(here, local, -1), valid, target_weight, bad), classes
 
 
 def _chunk_loop(
@@ -265,18 +261,19 @@ def _chunk_loop(
     """
     n, hidden = x.shape
     dev, plan = x.device, setup.plan
+    acc = math_dtype(setup.compute_dtype)
     w = weight.to(setup.compute_dtype)
     grad = grad_scale is not None
     need_x, need_w, need_b = (grad and k for k in needs)
     parts = LossParts(
-        loss=torch.zeros(n, dtype=torch.float32, device=dev),
-        lse=saved_lse if saved_lse is not None else torch.empty(n, dtype=torch.float32, device=dev),
-        correct=torch.empty(n, dtype=torch.float32, device=dev) if setup.want_correct else None,
+        loss=torch.zeros(n, dtype=acc, device=dev),
+        lse=saved_lse if saved_lse is not None else torch.empty(n, dtype=acc, device=dev),
+        correct=torch.empty(n, dtype=acc, device=dev) if setup.want_correct else None,
     )
     grads = ChunkGrads(
         input=torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None,
         weight=torch.empty(weight.shape, dtype=plan.accum_dtype, device=dev) if need_w else None,
-        bias=torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_b else None,
+        bias=torch.zeros(weight.shape[0], dtype=acc, device=dev) if need_b else None,
     )
     if n == 0:  # the same on every rank (the target is replicated): no collectives either
         if grads.weight is not None:
@@ -305,7 +302,7 @@ def _chunk_loop(
         if need_w:
             mm_into(grads.weight, logits.t(), x_c, accumulate=i > 0)
         if need_b:
-            grads.bias += logits.sum(0, dtype=torch.float32)
+            grads.bias += logits.sum(0, dtype=acc)
     if summing is not None:
         summing.wait()
     return parts, grads
@@ -315,7 +312,7 @@ def _agree_on_softmax(logits, rows: _Rows, classes: _Classes, setup: _Setup, par
                       chunk: slice) -> None:
     """Partial statistics, two all-reduces, then loss, lse (and hits) of the chunk's rows."""
     opts, vocab = setup.opts, setup.layout.vocab
-    stats = torch.zeros(STATS, logits.shape[0], dtype=torch.float32, device=logits.device)
+    stats = torch.zeros(STATS, logits.shape[0], dtype=parts.lse.dtype, device=logits.device)
     shard_stats(setup.backend, logits, rows.local[chunk], classes.local, opts, stats)
     row_max = stats[ROW_MAX].clone()
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=setup.group)
@@ -328,6 +325,8 @@ def _agree_on_softmax(logits, rows: _Rows, classes: _Classes, setup: _Setup, par
         loss += opts.label_smoothing / vocab * (classes.total * lse - stats[SUM_LOGITS])
     if opts.z_loss > 0.0:
         loss += opts.z_loss * lse.square()
+    if rows.poison is not None:
+        loss += rows.poison[chunk]
     parts.loss[chunk] = torch.where(valid, loss, 0.0)
     parts.lse[chunk] = torch.where(valid, lse, 0.0)
     if parts.correct is not None:  # the target's logit is the top one (ties count as hits)
@@ -340,7 +339,9 @@ def _write_grad(logits, rows: _Rows, classes: _Classes, setup: _Setup, lse, scal
     eps = opts.label_smoothing
     target_coef = (1.0 - eps) * rows.target_weight[chunk]
     extra_coef = eps / vocab * classes.total + 2.0 * opts.z_loss * lse
-    scale = torch.where(rows.valid[chunk], scale.float() / opts.temperature, 0.0)
+    scale = torch.where(rows.valid[chunk], scale.to(lse.dtype) / opts.temperature, 0.0)
+    if rows.poison is not None:  # NaN, not 0, so the kernels write NaN over the row
+        scale = scale + rows.poison[chunk]
     shard_grad(setup.backend, logits, rows.local[chunk], classes.local, lse.contiguous(), extra_coef.contiguous(),
                target_coef.contiguous(), scale.contiguous(), eps / vocab, opts)
 
@@ -348,23 +349,31 @@ def _write_grad(logits, rows: _Rows, classes: _Classes, setup: _Setup, lse, scal
 class VocabParallelFunction(torch.autograd.Function):
     """Inputs: x (n, H), weight shard (V_r, H), bias shard, row facts, class weights, grad_scale (0-d
     reduction scale, or None for reduction='none'), setup. Outputs: loss (0-d, or (n,) for 'none'),
-    lse (n,), correct (n,) or None."""
+    lse (n,), correct (n,) or None, per-row losses or None (see ``finish_forward``)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, rows, classes, grad_scale, setup):
+        ctx.set_materialize_grads(False)  # lse and correct get no gradient: skip their zero tensors
         needs = tuple(ctx.needs_input_grad[:3])
         parts, grads = _chunk_loop(x, weight, bias, rows, classes, setup, grad_scale, needs)
         ctx.meta = (rows, classes, setup, (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
+        ctx.entry = "flce.distributed.vocab_parallel_linear_cross_entropy"
         # reduction="none" keeps the inputs and the softmax, and recomputes logits in backward
-        return finish_forward(ctx, parts, grads, grad_scale, (x, weight, bias, parts.lse))
+        return finish_forward(ctx, parts, grads, grad_scale, (x, weight, bias, parts.lse),
+                              weight if weight.dtype == setup.compute_dtype else None)
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_lse, _grad_correct):
+    @not_twice_differentiable
+    def backward(ctx, grad_loss, _grad_lse, _grad_correct, _grad_rows):
         rows, classes, setup, dtypes = ctx.meta
-        g = grad_loss.float()
+        if grad_loss is None:  # an undefined gradient is a zero one (the same on every rank: no collective)
+            release(ctx)
+            return None, None, None, None, None, None, None
+        g = grad_loss.to(math_dtype(setup.compute_dtype))
         grads = take_grads(ctx)
+        saved = ctx.saved_tensors  # raises if the caller changed one in place since forward
         if grads is None:
-            x, weight, bias, lse = ctx.saved_tensors
+            x, weight, bias, lse = saved
             _, grads = _chunk_loop(x, weight, bias, rows, classes, setup, g.contiguous(),
                                    tuple(ctx.needs_input_grad[:3]), saved_lse=lse)
             g = None
@@ -380,16 +389,24 @@ def is_dtensor(t: object) -> bool:
     return isinstance(t, DTensor)
 
 
-def linear_cross_entropy_dtensor(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor,
-                                 **options) -> torch.Tensor | tuple[torch.Tensor, LossStats]:
-    """``flce.linear_cross_entropy`` for a DTensor weight: Shard(0) on one mesh dimension routes to the
-    vocab-parallel path over that dimension's group; an all-Replicate weight runs the one-device path.
+class DTensorLocals(NamedTuple):
+    """The plain tensors a DTensor call runs on, and the group the vocabulary is split over (None: the
+    weight is replicated, the one-device loss applies) with every rank's rows of it."""
 
-    input, target: plain tensors or all-Replicate DTensors (the same on every rank of the group).
-    options: those of ``flce.linear_cross_entropy``; ``linear_bias`` must then be a DTensor placed like
-    the weight (or None), class ``weight`` a plain (V,) tensor or a Replicate DTensor.
-    The loss comes back as a plain tensor (the same on every rank).
-    """
+    input: torch.Tensor
+    linear_weight: torch.Tensor
+    target: torch.Tensor
+    linear_bias: torch.Tensor | None
+    weight: torch.Tensor | None
+    group: dist.ProcessGroup | None
+    shard_sizes: tuple[int, ...] | None
+
+
+def dtensor_locals(input, linear_weight, target, linear_bias=None, weight=None) -> DTensorLocals:
+    """Unwrap a DTensor ``linear_weight`` (V, H): Shard(0) on at most one mesh dimension and Replicate on
+    the others. input, target: plain tensors or all-Replicate DTensors (the same on every rank);
+    linear_bias: None or a DTensor placed like the weight; weight (class weights): a plain (V,) tensor or
+    a Replicate DTensor. ``flce.linear_cross_entropy`` calls this for a DTensor weight."""
     from torch.distributed.tensor import Replicate, Shard
 
     placements = linear_weight.placements
@@ -397,24 +414,17 @@ def linear_cross_entropy_dtensor(input: torch.Tensor, linear_weight: torch.Tenso
     if len(vocab_dims) > 1 or any(p != Replicate() for d, p in enumerate(placements) if d not in vocab_dims):
         raise ValueError(f"linear_weight must be sharded on dim 0 over at most one mesh dimension and "
                          f"replicated over the others, got placements {placements}")
-    bias = options.pop("linear_bias", None)
-    if bias is not None and (not is_dtensor(bias) or tuple(bias.placements) != tuple(placements)):
+    if linear_bias is not None and (not is_dtensor(linear_bias) or tuple(linear_bias.placements) != tuple(placements)):
         raise ValueError(f"linear_bias must be a DTensor with the weight's placements {placements}")
-    local = {"input": _replicated_local(input, "input"), "target": _replicated_local(target, "target")}
-    if options.get("weight") is not None:
-        options["weight"] = _replicated_local(options["weight"], "weight")
-    bias_local = bias.to_local() if bias is not None else None
-    if not vocab_dims:
-        from .api import linear_cross_entropy
-
-        return linear_cross_entropy(local["input"], linear_weight.to_local(), local["target"],
-                                    linear_bias=bias_local, **options)
-    mesh_dim = vocab_dims[0]
-    mesh = linear_weight.device_mesh
-    sizes = _chunk_sizes(linear_weight.shape[0], mesh.size(mesh_dim))
-    return vocab_parallel_linear_cross_entropy(
-        local["input"], linear_weight.to_local(), local["target"], group=mesh.get_group(mesh_dim),
-        shard_sizes=sizes, linear_bias=bias_local, **options)
+    bias_local = linear_bias.to_local() if linear_bias is not None else None
+    class_w = _replicated_local(weight, "weight") if weight is not None else None
+    group = sizes = None
+    if vocab_dims:
+        mesh = linear_weight.device_mesh
+        group = mesh.get_group(vocab_dims[0])
+        sizes = _chunk_sizes(linear_weight.shape[0], mesh.size(vocab_dims[0]))
+    return DTensorLocals(_replicated_local(input, "input"), linear_weight.to_local(),
+                         _replicated_local(target, "target"), bias_local, class_w, group, sizes)
 
 
 def _replicated_local(t, name: str):

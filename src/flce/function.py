@@ -10,17 +10,26 @@ Two exceptions. With a single chunk (small batches) the two gradient GEMMs wait 
 grad_output scales the small operand x_c instead of a whole (V, H) gradient afterwards; for a plain
 mean the CE kernel then also counts the targets and finishes the mean itself (``LoopSpec.counts``). With
 reduction="none" the per-row grad_output is only known in backward, so there the loop runs again.
+
+Autograd's contracts: what backward reads of the caller's tensors (a single chunk's GEMM operands, or
+every input for reduction="none") goes through ``save_for_backward``, so an in-place change between
+forward and backward raises as in eager PyTorch; so does one of the weight (see ``finish_forward``).
+Gradients computed in forward are those of the forward's values. The loss is differentiable once:
+under ``create_graph=True`` the gradients come back wired to raise if they are differentiated again
+(``first_order_only``), never a partial second derivative.
+The arithmetic of the loss is float32 (float64 for float64 logits: ``kernels.math_dtype``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from .gemm import mm_into, mm_new
-from .kernels import ce_chunk
+from .kernels import ce_chunk, math_dtype
 from .kernels.scale import scale_into
 from .options import LossOptions
 from .planner import ChunkPlan
@@ -32,12 +41,12 @@ class ChunkGrads:
 
     input: torch.Tensor | None
     weight: torch.Tensor | None  # in the plan's accumulator dtype
-    bias: torch.Tensor | None  # float32
+    bias: torch.Tensor | None  # in the math dtype (float32, or float64 for float64 logits)
 
 
 @dataclass
 class LossParts:
-    """Per-row outputs of the chunk loop: (n,) float32 each; ``correct`` only when asked for."""
+    """Per-row outputs of the chunk loop: (n,) each, in the math dtype; ``correct`` only when asked for."""
 
     loss: torch.Tensor
     lse: torch.Tensor
@@ -47,11 +56,12 @@ class LossParts:
 
 @dataclass
 class PendingGrads:
-    """A single chunk's d loss / d logits (n, V) and GEMM operands, kept for backward's two GEMMs."""
+    """A single chunk's d loss / d logits (n, V) and GEMM operands, kept for backward's two GEMMs.
+    The Function keeps x and w through ``save_for_backward`` (version-checked), not here."""
 
     dlogits: torch.Tensor
-    x: torch.Tensor  # (n, H) in the compute dtype
-    w: torch.Tensor  # (V, H) in the compute dtype
+    x: torch.Tensor | None  # (n, H) in the compute dtype
+    w: torch.Tensor | None  # (V, H) in the compute dtype
     scale: torch.Tensor | None = None  # the mean's 0-d scale, not yet in dlogits (see LoopSpec.counts)
 
 
@@ -59,7 +69,8 @@ class LoopSpec(NamedTuple):
     """A chunk loop's settings: the loss, the chunk plan, the GEMMs' dtype, the CE backend, whether to
     compute per-row accuracy (``correct``), and ``counts``: None, or (3,) int64 zeros for a mean over a
     single deferred chunk, which the CE kernel then finishes itself (``kernels.ce_chunk``): it counts
-    the targets into them and writes grad_scale (an output then) and the mean."""
+    the targets into them and writes grad_scale (an output then) and the mean. ``entry``: the public
+    function, named in errors."""
 
     opts: LossOptions
     plan: ChunkPlan
@@ -67,6 +78,7 @@ class LoopSpec(NamedTuple):
     backend: str
     want_correct: bool = False
     counts: torch.Tensor | None = None
+    entry: str = "flce.linear_cross_entropy"
 
 
 def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool) -> None:
@@ -76,7 +88,7 @@ def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool)
     if grads.weight is not None:
         mm_into(grads.weight, dl.t(), x_c, accumulate=accumulate)
     if grads.bias is not None:
-        grads.bias += dl.sum(0, dtype=torch.float32)
+        grads.bias += dl.sum(0, dtype=grads.bias.dtype)
 
 
 def chunk_loop(
@@ -96,7 +108,7 @@ def chunk_loop(
     x: (n, H); weight: (V, H); bias: (V,) or None; target: (n,) int64. ``defer`` (single chunk only)
     returns the chunk's dlogits instead of running the gradient GEMMs.
     """
-    opts, plan, compute_dtype, backend, want_correct, counts = spec
+    opts, plan, compute_dtype, backend, want_correct, counts, _ = spec
     n, hidden = x.shape
     vocab = weight.shape[0]
     dev = x.device
@@ -105,11 +117,12 @@ def chunk_loop(
     need_x, need_w, need_b = (grad and k for k in needs)
     defer = defer and grad and plan.num_chunks == 1
 
+    acc = math_dtype(compute_dtype)
     parts = LossParts(
-        loss=torch.empty(n, dtype=torch.float32, device=dev),
-        lse=torch.empty(n, dtype=torch.float32, device=dev),
-        correct=torch.empty(n, dtype=torch.float32, device=dev) if want_correct else None,
-        total=torch.empty((), dtype=torch.float32, device=dev) if counts is not None else None,
+        loss=torch.empty(n, dtype=acc, device=dev),
+        lse=torch.empty(n, dtype=acc, device=dev),
+        correct=torch.empty(n, dtype=acc, device=dev) if want_correct else None,
+        total=torch.empty((), dtype=acc, device=dev) if counts is not None else None,
     )
     assert counts is None or (defer and n), "the CE kernel finishes the mean only of a single deferred chunk"
     if defer:
@@ -118,7 +131,7 @@ def chunk_loop(
         grads = ChunkGrads(
             input=torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None,
             weight=torch.empty(vocab, hidden, dtype=plan.accum_dtype, device=dev) if need_w else None,
-            bias=torch.zeros(vocab, dtype=torch.float32, device=dev) if need_b else None,
+            bias=torch.zeros(vocab, dtype=acc, device=dev) if need_b else None,
         )
     if n == 0:
         if grads is None:
@@ -183,25 +196,27 @@ def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 FOLD_INTO_DLOGITS_BYTES = 4 << 20
 
 
-def finish_pending(p: PendingGrads, g: torch.Tensor, needs, dtypes, backend) -> ChunkGrads:
-    """Backward of a single-chunk forward: the two GEMMs, with grad_output folded into an operand."""
+def finish_pending(p: PendingGrads, x_c: torch.Tensor, w: torch.Tensor, g: torch.Tensor, needs, dtypes,
+                   backend) -> ChunkGrads:
+    """Backward of a single-chunk forward: the two GEMMs, with grad_output folded into an operand.
+    x_c (n, H), w (V, H): the forward's GEMM operands, from ``ctx.saved_tensors``."""
     x_dtype, w_dtype, b_dtype = dtypes
     if p.scale is not None:
         g = g * p.scale
-    dl, x, g_left = p.dlogits, p.x, g
+    dl, x, g_left = p.dlogits, x_c, g
     if dl.numel() * dl.element_size() <= FOLD_INTO_DLOGITS_BYTES:
         dl, g_left = dl.mul_(g), None
     elif needs[1]:
-        x = scale_into(p.x, g, p.x.dtype, backend, out=torch.empty_like(p.x))
+        x = scale_into(x_c, g, x_c.dtype, backend, out=torch.empty_like(x_c))
     grads = ChunkGrads(None, None, None)
     if needs[0]:
-        grads.input = mm_new(dl, p.w, x_dtype)
+        grads.input = mm_new(dl, w, x_dtype)
         if g_left is not None:
             scale_into(grads.input, g_left, x_dtype, backend)
     if needs[1]:
         grads.weight = mm_new(dl.t(), x, w_dtype)
     if needs[2]:
-        b = dl.sum(0, dtype=torch.float32)
+        b = dl.sum(0, dtype=g.dtype)
         grads.bias = (b if g_left is None else b * g_left).to(b_dtype)
     return grads
 
@@ -212,20 +227,30 @@ _CONSUMED = (
 )
 
 
-def finish_forward(ctx, parts: LossParts, grads, grad_scale: torch.Tensor | None, saved: tuple):
+def finish_forward(ctx, parts: LossParts, grads, grad_scale: torch.Tensor | None, saved: tuple,
+                   weight_as_used: torch.Tensor | None):
     """The forward's tail every fused Function shares: hand the gradients to backward (mean/sum), or
-    keep ``saved`` to recompute with the per-row grad_output (reduction='none'); package the outputs."""
+    keep ``saved`` to recompute with the per-row grad_output (reduction='none'); package the outputs.
+
+    What eager F.linear would save goes through ``save_for_backward`` (version-checked): a single
+    chunk's pending GEMM operands, which backward reads; else ``weight_as_used`` (the caller's weight
+    when the GEMMs used it without a cast, else None), whose gradient forward computed already, so
+    that an in-place change of it before backward raises as in eager (keeping it alive costs nothing)."""
     if grad_scale is None:
         ctx.save_for_backward(*saved)
         loss = parts.loss
     else:
+        if isinstance(grads, PendingGrads):
+            ctx.save_for_backward(grads.x, grads.w)
+            grads.x = grads.w = None  # backward reads them from saved_tensors only
+        else:
+            ctx.save_for_backward(weight_as_used)
         ctx.grads = grads
         loss = parts.total if parts.total is not None else parts.loss.sum() * grad_scale
-    if parts.correct is None:
-        ctx.mark_non_differentiable(parts.lse)
-    else:
-        ctx.mark_non_differentiable(parts.lse, parts.correct)
-    return loss, parts.lse, parts.correct
+    # With stats and a reduction, the per-row losses too (the grouped loss reports each group's loss).
+    rows = parts.loss if grad_scale is not None and parts.correct is not None else None
+    ctx.mark_non_differentiable(*(t for t in (parts.lse, parts.correct, rows) if t is not None))
+    return loss, parts.lse, parts.correct, rows
 
 
 def take_grads(ctx):
@@ -236,6 +261,54 @@ def take_grads(ctx):
     if grads is None:
         raise RuntimeError(_CONSUMED)
     return grads
+
+
+def release(ctx) -> None:
+    """Drop the gradients forward handed over (backward got no gradient to pass on)."""
+    if hasattr(ctx, "grads"):
+        ctx.grads = None
+
+
+def not_twice_differentiable(backward):
+    """Decorates a fused Function's backward ``(ctx, *grad_outputs)``. Under create_graph=True its
+    gradients are computed outside autograd and returned through ``_FirstOrderOnly``: using them is
+    fine, differentiating them again raises (``ctx.entry`` names the function in the error)."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grad_outputs):
+        if not torch.is_grad_enabled():
+            return backward(ctx, *grad_outputs)
+        with torch.no_grad():
+            grads = backward(ctx, *grad_outputs)
+        return first_order_only(grads, ctx.entry)
+
+    return run
+
+
+def first_order_only(grads, entry: str) -> tuple:
+    """``grads`` (tensors and Nones) as outputs of a node whose backward raises a clear error."""
+    present = [g for g in grads if isinstance(g, torch.Tensor)]
+    if not present:
+        return tuple(grads)
+    # A fresh leaf that requires grad makes the outputs require grad, so a second derivative reaches the node.
+    wired = iter(_FirstOrderOnly.apply(entry, torch.empty(0, requires_grad=True), *present))
+    return tuple(next(wired) if isinstance(g, torch.Tensor) else g for g in grads)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Passes gradients through (as views); its backward is reached only by a second derivative."""
+
+    @staticmethod
+    def forward(ctx, entry, _anchor, *grads):
+        ctx.entry = entry
+        return grads
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            f"{ctx.entry} is not twice differentiable: its gradients come from fused kernels that autograd "
+            "cannot differentiate again (create_graph=True for a gradient penalty, a Hessian-vector product, "
+            "...). Compute that loss with torch ops (F.linear and F.cross_entropy) instead.")
 
 
 def scale_grads(grads: ChunkGrads, g: torch.Tensor | None, dtypes, backend: str = "torch") -> list:
@@ -249,7 +322,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     ``LoopSpec``), x (n, H), weight (V, H), bias, target (n,), class_weight, weight_sum, grad_scale (0-d
     reduction scale, or None for reduction='none'), target_check (an object whose ``raise_if_bad()``
     backward calls once its kernels are queued, or None).
-    Outputs: loss (0-d, or per row for 'none'), lse, correct (None unless ``spec.want_correct``)."""
+    Outputs: loss (0-d, or per row for 'none'), lse, correct (None unless ``spec.want_correct``), and the
+    per-row losses when ``spec.want_correct`` and a reduction (else None); all but the loss
+    non-differentiable."""
 
     @staticmethod
     def forward(ctx, loop, spec, x, weight, bias, target, class_weight, weight_sum, grad_scale, target_check):
@@ -258,20 +333,32 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         parts, grads = loop(x, weight, bias, target, class_weight, weight_sum, grad_scale, needs, spec, defer=True)
         ctx.meta = (loop, spec, needs, (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
         ctx.target_check = target_check
-        return finish_forward(ctx, parts, grads, grad_scale, (x, weight, bias, target, class_weight, weight_sum))
+        ctx.entry = spec.entry
+        return finish_forward(ctx, parts, grads, grad_scale, (x, weight, bias, target, class_weight, weight_sum),
+                              weight if weight.dtype == spec.compute_dtype else None)
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_lse, _grad_correct):
+    @not_twice_differentiable
+    def backward(ctx, grad_loss, _grad_lse, _grad_correct, _grad_rows):
         loop, spec, needs, dtypes = ctx.meta
-        g = _as_dtype(grad_loss, torch.float32)
-        grads = take_grads(ctx)
-        if isinstance(grads, PendingGrads):
-            grads = finish_pending(grads, g, needs, dtypes, spec.backend)
-            g = None
-        elif grads is None:  # reduction="none": run the loop again with the per-row grad_output
-            _, grads = loop(*ctx.saved_tensors, g.contiguous(), needs, spec)
-            g = None
-        out = scale_grads(grads, g, dtypes, spec.backend)
+        if grad_loss is None:  # an undefined gradient is a zero one: nothing to pass on
+            release(ctx)
+            out = [None, None, None]
+        else:
+            out = _input_grads(ctx, loop, spec, needs, dtypes, _as_dtype(grad_loss, math_dtype(spec.compute_dtype)))
         if ctx.target_check is not None:  # waits only now, with this backward's kernels already queued
             ctx.target_check.raise_if_bad()
         return None, None, *out, None, None, None, None, None
+
+
+def _input_grads(ctx, loop, spec: LoopSpec, needs, dtypes, g: torch.Tensor) -> list:
+    """(input, weight, bias) gradients for grad_output g (0-d, or per row for reduction='none')."""
+    grads = take_grads(ctx)
+    saved = ctx.saved_tensors  # raises if the caller changed one in place since forward
+    if isinstance(grads, PendingGrads):
+        grads = finish_pending(grads, *saved, g, needs, dtypes, spec.backend)
+        g = None
+    elif grads is None:  # reduction="none": run the loop again with the per-row grad_output
+        _, grads = loop(*saved, g.contiguous(), needs, spec)
+        g = None
+    return scale_grads(grads, g, dtypes, spec.backend)

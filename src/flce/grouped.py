@@ -10,6 +10,8 @@ a contiguous buffer is read, and written, in place. Forward and backward are thr
     grad_W  = grad_y^T @ x      (G batches of out x B @ B x in), K = B: one pass, no accumulation
 
 No host syncs and no data-dependent control flow: the function can be captured in a CUDA graph.
+Twice differentiable where the GEMMs run in the operands' own dtype (the saved operands are then the
+inputs themselves); under autocast, whose casts happen inside, a second derivative raises.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import math
 import torch
 from torch import nn
 
+from .checks import check_devices, compute_dtype
+from .function import first_order_only
 from .gemm import bmm_into
 
 
@@ -43,9 +47,12 @@ def grouped_linear(
         Under autocast it has the autocast dtype, like ``F.linear``.
     """
     _check(input, weight, bias)
+    if type(group_major) is not bool:
+        raise TypeError(f"group_major must be True or False, got {group_major!r}")
     groups = weight.shape[0]
     x3 = _as_3d(input, groups, group_major)
-    y3 = GroupedLinearFunction.apply(x3, weight, bias, group_major, _compute_dtype(input, weight, bias))
+    dtype = compute_dtype(input, weight, bias, names=("input", "weight", "bias"))
+    y3 = GroupedLinearFunction.apply(x3, weight, bias, group_major, dtype)
     return y3.reshape(*input.shape[:-1], weight.shape[1])
 
 
@@ -63,6 +70,8 @@ class GroupedLinear(nn.Module):
                             ("out_features", out_features)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if type(group_major) is not bool:
+            raise TypeError(f"group_major must be True or False, got {group_major!r}")
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         self.group_major = group_major
         factory = {"device": device, "dtype": dtype}
@@ -106,12 +115,23 @@ class GroupedLinearFunction(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if need_w else None, w if need_x else None)
         ctx.meta = (group_major, x3.shape, x3.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.cast = x is not x3 or w is not weight  # the saved operands are copies, outside the graph
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        group_major, x_shape, x_dtype, w_dtype, b_dtype = ctx.meta
         x, w = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True
+            if not ctx.cast:  # the saved operands are the inputs: plain GEMMs differentiate again
+                return (*_differentiable_grads(grad_out, x, w, ctx.meta[0], *ctx.needs_input_grad[:3]), None, None)
+            with torch.no_grad():
+                grads = GroupedLinearFunction._grads(ctx, grad_out, x, w)
+            return first_order_only(grads, "flce.grouped_linear under autocast")
+        return GroupedLinearFunction._grads(ctx, grad_out, x, w)
+
+    @staticmethod
+    def _grads(ctx, grad_out, x, w):
+        group_major, x_shape, x_dtype, w_dtype, b_dtype = ctx.meta
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_out.stride(-1) != 1:  # e.g. an expanded grad: cuBLAS needs unit stride in one dim
             grad_out = grad_out.contiguous()
@@ -125,8 +145,18 @@ class GroupedLinearFunction(torch.autograd.Function):
             bmm_into(grad_w, dy.transpose(1, 2), group_major_view(x, group_major).to(dy.dtype),
                      accumulate=False)
         if need_b:
-            grad_b = dy.sum(1, dtype=torch.float32).to(b_dtype)
+            grad_b = dy.sum(1, dtype=torch.float64 if dy.dtype == torch.float64 else torch.float32).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None
+
+
+def _differentiable_grads(grad_out, x, w, group_major: bool, need_x: bool, need_w: bool, need_b: bool):
+    """The three gradients as autograd-tracked ops (create_graph=True). x: (B, G, in) or (G, B, in);
+    w: (G, out, in); grad_out: x's layout with ``out`` columns."""
+    dy = group_major_view(grad_out, group_major)  # (G, B, out)
+    grad_x = group_major_view(torch.bmm(dy, w), group_major) if need_x else None
+    grad_w = torch.bmm(dy.transpose(1, 2), group_major_view(x, group_major)) if need_w else None
+    grad_b = dy.sum(1) if need_b else None
+    return grad_x, grad_w, grad_b
 
 
 def _as_3d(input: torch.Tensor, groups: int, group_major: bool) -> torch.Tensor:
@@ -160,22 +190,15 @@ def _check(input, weight, bias) -> None:
         raise ValueError(f"input must be (..., {in_features}) with at least 2 dims to match weight "
                          f"{tuple(weight.shape)}, got {tuple(input.shape)}")
     check_group_bias("bias", bias, groups, out_features)
-    if len({t.device for t in (input, weight, bias) if t is not None}) > 1:
-        raise ValueError("input, weight and bias must be on one device")
+    check_devices(("input", input), ("weight", weight), ("bias", bias))
 
 
 def check_group_bias(name: str, bias, groups: int, size: int) -> None:
-    """A per-group bias must be None or a (G, size) tensor."""
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (groups, size)):
-        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
-        raise ValueError(f"{name} must be ({groups}, {size}), got {shape}")
-
-
-def _compute_dtype(input, weight, bias) -> torch.dtype:
-    """Autocast's dtype when it is on, else the dtype input, weight and bias share."""
-    if torch.is_autocast_enabled(input.device.type):
-        return torch.get_autocast_dtype(input.device.type)
-    dtypes = {t.dtype for t in (input, weight, bias) if t is not None}
-    if len(dtypes) > 1:
-        raise TypeError(f"input, weight and bias must share a dtype outside autocast, got {sorted(map(str, dtypes))}")
-    return weight.dtype
+    """A per-group bias must be None or a floating (G, size) tensor."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+        what = bias.dtype if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise TypeError(f"{name} must be a floating tensor of shape ({groups}, {size}) or None, got {what}")
+    if tuple(bias.shape) != (groups, size):
+        raise ValueError(f"{name} must be ({groups}, {size}), got {tuple(bias.shape)}")

@@ -7,13 +7,20 @@ cross-entropy kernel sees as G*c ordinary rows. The grad_weight GEMM of a chunk 
 so chunks are sized per group exactly like the core's (``plan_chunks`` with a G*V-wide "vocabulary").
 Batch-major inputs are read and their gradients written through (G, B, ·) views (see grouped.py).
 
-Reductions over groups: "sum" is the sum over all groups' valid tokens, i.e. the sum over groups of
-``linear_cross_entropy(..., reduction="sum")``. "mean" divides that sum by the number of valid tokens
-of all groups (by the sum of their class weights when ``weight`` is given): every token of every head
-counts once, as if the G heads' tokens formed one batch. It equals the sum over groups of
-``linear_cross_entropy(x_g, W_g, t_g, num_items_in_batch=total_valid)``, and is the mean of the per-group
-means only when every group has the same number of valid tokens. For another weighting of the groups,
-use reduction="none" (returns the target's (B, G) or (G, B) shape) or "sum" per group.
+The loss over groups (``group_reduction``), with L_g = ``linear_cross_entropy(x_g, W_g, t_g, ...)`` the
+loss of group g alone under the same ``reduction`` and ``num_items_in_batch``:
+
+- "sum" (default): sum_g L_g. The grouped loss is a fused loop over the heads, nothing more: each head
+  keeps its own mean (a head whose tokens are mostly ignored weighs as much as a full one).
+- "mean": sum_g L_g / G. Multi-token prediction weighs its depths equally this way (DeepSeek-V3's
+  lambda / D * sum_k L_k is "mean" times lambda), with a scale that does not grow with the head count.
+- "pooled": all groups' tokens as one batch: the sum over every valid token of every head divided by
+  their number (by the sum of their class weights with ``weight``), so every token counts once.
+  Equal to "mean" only when every group has as many valid tokens.
+
+With reduction="sum" (or ``num_items_in_batch``) "sum" and "pooled" agree. Each group's L_g (its share
+of the pooled loss for "pooled") comes back in ``LossStats.group_losses`` with ``return_stats``.
+Implemented as one (G,) scale per group, applied per token, so all three cost the same.
 """
 
 from __future__ import annotations
@@ -22,15 +29,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import LossStats, _check_tensors, _compute_dtype, _raise_bad_targets, _reduction_scale, _stats
+from .checks import check_tensors, compute_dtype, flat_targets, raise_bad_targets
 from .function import ChunkGrads, LinearCrossEntropyFunction, LoopSpec, LossParts
 from .gemm import bmm_into
 from .grouped import check_group_bias, group_major_view
 from .import_hooks import compile_disabled
-from .kernels import ce_chunk, resolve_backend
+from .kernels import ce_chunk, math_dtype, resolve_backend
 from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
 from .planner import ChunkPlan, plan_chunks, weight_grad_hidden
+from .reduction import LossStats, items_scale, reduction_scale
+
+GROUP_REDUCTIONS = ("sum", "mean", "pooled")
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,7 @@ def grouped_linear_cross_entropy(
     target: torch.Tensor,
     *,
     group_major: bool = False,
+    group_reduction: str = "sum",
     linear_bias: torch.Tensor | None = None,
     weight: torch.Tensor | None = None,
     reduction: str = "mean",
@@ -67,57 +78,99 @@ def grouped_linear_cross_entropy(
 
     Args:
         input: (B, G, H), or (G, B, H) with ``group_major=True``.
-        linear_weight: (G, V, H), one head per group. linear_bias: (G, V) or None.
+        linear_weight: (G, V, H), one head per group, V >= 1. linear_bias: (G, V) or None.
         target: (B, G), or (G, B) with ``group_major=True``.
-        weight: (V,) class weights shared by all heads, or None.
-        reduction: "mean" over the valid tokens of all groups, "sum", or "none" (target's shape);
-            see the module docstring.
+        group_reduction: "sum" (default), "mean" or "pooled": how the groups' losses combine, see the
+            module docstring. No effect with reduction="none".
+        weight: (V,) class weights shared by all heads, or None (must not require grad).
+        reduction: "mean", "sum", or "none" (target's shape), per group.
         chunk_size: batch positions per chunk (each chunk holds G * chunk_size rows of logits).
         validate_target: as in ``linear_cross_entropy``: check targets (one host sync) and skip the
             batch positions whose targets are ignored in every group. False is sync-free.
-        Other options: as in :func:`flce.linear_cross_entropy`.
+        Other options: as in :func:`flce.linear_cross_entropy` (float64 math for float64 inputs,
+            differentiable once).
     """
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction)
     _check_grouped(input, linear_weight, target, linear_bias, weight, group_major)
-    check_run_options(reduction, num_items_in_batch, chunk_size, accum_dtype)
-    backend = resolve_backend(backend, input.device)
-    compute_dtype = _compute_dtype(input, linear_weight, linear_bias)
+    if not isinstance(group_reduction, str) or group_reduction not in GROUP_REDUCTIONS:
+        raise ValueError(f"group_reduction must be one of {GROUP_REDUCTIONS}, got {group_reduction!r}")
+    num_items = check_run_options(reduction, num_items_in_batch, chunk_size, accum_dtype, backend, return_stats,
+                                  validate_target)
+    dtype = compute_dtype(input, linear_weight, linear_bias)
+    backend = resolve_backend(backend, input.device, dtype)
+    acc = math_dtype(dtype)
     groups, vocab, _ = linear_weight.shape
     batch_dim = 1 if group_major else 0
+    ignore = opts.ignore_index
 
-    x, t = input, target.long()
-    valid = t != ignore_index
-    counts, count_scale = count_targets(t.reshape(-1), ignore_index, vocab, backend)  # compaction keeps the count
+    x, t = input, flat_targets(target, ignore).view(target.shape)
+    valid = t != ignore
+    counts, count_scale = count_targets(t.reshape(-1), ignore, vocab, backend)  # compaction keeps the count
     kept = None  # batch positions kept, when some are ignored in every group
     if validate_target and t.numel():
-        kept = _check_and_compact(t, valid, counts, vocab, ignore_index, batch_dim)
+        kept = _check_and_compact(t, valid, counts, vocab, ignore, batch_dim, target)
         if kept is not None:
             x, t = x.index_select(batch_dim, kept), t.index_select(batch_dim, kept)
 
-    class_w = weight.float().contiguous() if weight is not None else None
+    class_w = weight.to(acc).contiguous() if weight is not None else None
     weight_sum = class_w.sum() if class_w is not None else None
-    scale = None if reduction == "none" else _reduction_scale(t, class_w, opts, num_items_in_batch, count_scale)
-    base = plan_chunks(t.shape[batch_dim], groups * vocab, compute_dtype, linear_weight.dtype,
+    scales = token_scale = None  # (G,) per-group loss scales, and as a per-token view in t's shape
+    if reduction != "none":
+        scales = _group_scales(t, class_w, opts, num_items, counts, count_scale, group_reduction, batch_dim, acc)
+        token_scale = scales[:, None].expand(t.shape) if group_major else scales.expand(t.shape)
+    base = plan_chunks(t.shape[batch_dim], groups * vocab, dtype, linear_weight.dtype,
                        chunk_size=chunk_size, accum_dtype=accum_dtype,
                        weight_grad_hidden=weight_grad_hidden(linear_weight))
     plan = GroupedChunkPlan(base.n_rows, base.rows, base.accum_dtype, group_major)
     args = (x, linear_weight, linear_bias, t, class_w, weight_sum)
-    spec = LoopSpec(opts, plan, compute_dtype, backend, return_stats)
+    spec = LoopSpec(opts, plan, dtype, backend, return_stats, entry="flce.grouped_linear_cross_entropy")
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:3]):
-        loss, lse, correct = LinearCrossEntropyFunction.apply(grouped_chunk_loop, spec, *args, scale, None)
+        loss, lse, correct, token_loss = LinearCrossEntropyFunction.apply(grouped_chunk_loop, spec, *args,
+                                                                          token_scale, None)
     else:
         parts, _ = grouped_chunk_loop(*args, None, (False, False, False), spec)
-        loss = parts.loss if scale is None else parts.loss.sum() * scale
-        lse, correct = parts.lse, parts.correct
+        token_loss, lse, correct = parts.loss, parts.lse, parts.correct
+        loss = token_loss if token_scale is None else (token_loss * token_scale).sum()
 
     if reduction == "none":
         loss = _scatter_positions(loss, kept, batch_dim, target.shape)
     if not return_stats:
         return loss
-    lse = _scatter_positions(lse, kept, batch_dim, target.shape)
-    correct = _scatter_positions(correct, kept, batch_dim, target.shape)
-    return loss, _stats(lse.reshape(-1), correct.reshape(-1), valid.reshape(-1), None, scale, opts,
-                        target.shape)
+    return loss, _grouped_stats(lse, correct, token_loss, valid, kept, token_scale, scales, group_reduction,
+                                opts, batch_dim, target.shape)
+
+
+def _group_scales(t: torch.Tensor, class_w, opts: LossOptions, num_items, counts, count_scale,
+                  group_reduction: str, batch_dim: int, acc: torch.dtype) -> torch.Tensor:
+    """(G,) factors that turn each group's sum of token losses into its part of the loss.
+    t: (B, G) or (G, B) int64 targets (batch dimension ``batch_dim``)."""
+    groups = t.shape[1 - batch_dim]
+    if num_items is not None:
+        scales = items_scale(num_items, t.device, acc).expand(groups)
+    elif opts.reduction == "sum" or group_reduction == "pooled":
+        scales = reduction_scale(t, class_w, opts, None, counts, count_scale, acc).expand(groups)
+    else:  # each group's own mean (0 for a group with nothing valid)
+        valid = t != opts.ignore_index
+        if class_w is None:
+            denom = valid.sum(batch_dim, dtype=acc)
+        else:
+            denom = (class_w[t.clamp(0, class_w.numel() - 1)] * valid).sum(batch_dim, dtype=acc)
+        scales = torch.where(denom != 0, 1.0 / denom, torch.zeros_like(denom))
+    return scales / groups if group_reduction == "mean" else scales
+
+
+def _grouped_stats(lse, correct, token_loss, valid, kept, token_scale, scales, group_reduction, opts: LossOptions,
+                   batch_dim: int, shape) -> LossStats:
+    """LossStats of the grouped loss; per-token inputs are those of the kept batch positions."""
+    num_valid = valid.sum()
+    accuracy = correct.sum() / num_valid.clamp(min=1)
+    z_tokens = opts.z_loss * lse.detach().square()
+    if token_scale is None:
+        return LossStats(_scatter_positions(z_tokens, kept, batch_dim, shape), accuracy, num_valid)
+    per_group = token_loss.detach().sum(batch_dim) * scales
+    if group_reduction == "mean":  # report each group's L_g; the loss is their mean
+        per_group = per_group * scales.shape[0]
+    return LossStats((z_tokens * token_scale).sum(), accuracy, num_valid, per_group)
 
 
 def grouped_chunk_loop(
@@ -137,37 +190,41 @@ def grouped_chunk_loop(
 
     x: (B, G, H) or (G, B, H) per ``plan.group_major``; weight: (G, V, H); bias: (G, V) or None;
     target: (B, G) or (G, B) int64; grad_scale: None, 0-d, or per token in target's shape.
-    Per-token outputs have the target's shape; gradients the shapes of x, weight and bias.
+    Per-token outputs have the target's shape; gradients the shapes of x, weight and bias. With a
+    per-token grad_scale, ``parts.total`` is the sum of the tokens' losses times their scales.
     """
-    opts, plan, compute_dtype, backend, want_correct, _ = spec  # the grouped loss never passes counts
+    opts, plan, compute_dtype, backend, want_correct, _, _ = spec  # the grouped loss never passes counts
 
     def gm(t: torch.Tensor) -> torch.Tensor:
         return group_major_view(t, plan.group_major)
 
     groups, vocab, hidden = weight.shape
     dev = x.device
+    acc = math_dtype(compute_dtype)
     w = weight.to(compute_dtype)  # no copy unless autocast asks for a narrower dtype
     grad = grad_scale is not None
     need_x, need_w, need_b = (grad and k for k in needs)
     per_token = grad and grad_scale.dim() > 0
 
     def per_token_buffer() -> torch.Tensor:
-        return torch.empty(target.shape, dtype=torch.float32, device=dev)
+        return torch.empty(target.shape, dtype=acc, device=dev)
 
     parts = LossParts(per_token_buffer(), per_token_buffer(), per_token_buffer() if want_correct else None)
     grads = ChunkGrads(
         input=torch.empty(x.shape, dtype=x.dtype, device=dev) if need_x else None,
         weight=torch.empty(groups, vocab, hidden, dtype=plan.accum_dtype, device=dev) if need_w else None,
-        bias=torch.zeros(groups, vocab, dtype=torch.float32, device=dev) if need_b else None,
+        bias=torch.zeros(groups, vocab, dtype=acc, device=dev) if need_b else None,
     )
     if plan.n_rows == 0:
         if grads.weight is not None:
             grads.weight.zero_()
+        if per_token:
+            parts.total = torch.zeros((), dtype=acc, device=dev)
         return parts, grads
 
     # Flat buffers so that a shorter last chunk is still contiguous as (G * c, V).
     logits_buffer = torch.empty(groups * plan.rows * vocab, dtype=compute_dtype, device=dev)
-    token_buffer = torch.empty(3, groups * plan.rows, dtype=torch.float32, device=dev)
+    token_buffer = torch.empty(3, groups * plan.rows, dtype=acc, device=dev)
     x_gm, t_gm = gm(x), gm(target)
     for i, (start, end) in enumerate(plan.bounds()):
         n = groups * (end - start)
@@ -198,7 +255,9 @@ def grouped_chunk_loop(
         if need_w:
             bmm_into(grads.weight, logits.transpose(1, 2), x_c, accumulate=i > 0)
         if need_b:
-            grads.bias += logits.sum(1, dtype=torch.float32)
+            grads.bias += logits.sum(1, dtype=acc)
+    if per_token:
+        parts.total = (parts.loss * grad_scale).sum()
     return parts, grads
 
 
@@ -207,6 +266,8 @@ def _check_grouped(input, linear_weight, target, bias, class_weight, group_major
     for name, t in (("input", input), ("linear_weight", linear_weight), ("target", target)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if type(group_major) is not bool:
+        raise TypeError(f"group_major must be True or False, got {group_major!r}")
     if linear_weight.dim() != 3 or linear_weight.shape[0] < 1:
         raise ValueError(f"linear_weight must be (G, V, H) with G >= 1, got {tuple(linear_weight.shape)}")
     groups, vocab, hidden = linear_weight.shape
@@ -220,19 +281,19 @@ def _check_grouped(input, linear_weight, target, bias, class_weight, group_major
         raise ValueError(f"target shape {tuple(target.shape)} must equal input's leading shape "
                          f"{tuple(input.shape[:2])}")
     check_group_bias("linear_bias", bias, groups, vocab)
-    _check_tensors(group_major_view(input, group_major)[0], linear_weight[0],
-                   group_major_view(target, group_major)[0], bias[0] if bias is not None else None,
-                   class_weight)
+    check_tensors(group_major_view(input, group_major)[0], linear_weight[0],
+                  group_major_view(target, group_major)[0], bias[0] if bias is not None else None,
+                  class_weight)
 
 
 def _check_and_compact(t: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor, vocab: int, ignore_index: int,
-                       batch_dim: int) -> torch.Tensor | None:
+                       batch_dim: int, original: torch.Tensor) -> torch.Tensor | None:
     """Raise on targets outside [0, V); return the batch positions to keep if some are ignored in
-    every group (one host sync). ``counts``: ``count_targets``' counts of t."""
+    every group (one host sync). ``counts``: ``count_targets``' counts of t; original: the caller's target."""
     keep = valid.any(dim=1 - batch_dim)
     n_keep, n_bad = torch.stack([keep.sum(), counts[1]]).tolist()
     if n_bad:
-        _raise_bad_targets(t, vocab, ignore_index, n_bad)
+        raise_bad_targets(t, vocab, ignore_index, n_bad, original)
     if n_keep == keep.numel():
         return None
     return keep.nonzero_static(size=n_keep).squeeze(1)  # sized: no second sync

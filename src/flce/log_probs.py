@@ -21,7 +21,8 @@ from typing import Callable, Iterable, NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .api import _check_tensors, _compute_dtype, _is_dtensor, _raise_bad_targets
+from .checks import check_tensors, compute_dtype, raise_bad_targets
+from .distributed import is_dtensor
 from .function import ChunkGrads, gradient_gemms, scale_grads
 from .import_hooks import compile_disabled
 from .kernels import resolve_backend
@@ -111,7 +112,7 @@ def linear_log_probs(
     """
     tf, want = _check(input, linear_weight, target, linear_bias, ignore_index, temperature, softcap, outputs,
                       chunk_size)
-    spec = LogProbsSpec(tf, want, _compute_dtype(input, linear_weight, linear_bias),
+    spec = LogProbsSpec(tf, want, compute_dtype(input, linear_weight, linear_bias),
                         resolve_backend(backend, input.device), chunk_size, speculate=validate_target)
     return token_stats(input, linear_weight, linear_bias, target, spec, validate_target)
 
@@ -128,7 +129,7 @@ def token_stats(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         counts, _ = count_targets(t, spec.tf.ignore_index, vocab, spec.backend)
         n_valid, n_bad = counts.tolist()  # the one host sync
         if n_bad:
-            _raise_bad_targets(t, vocab, spec.tf.ignore_index, n_bad)
+            raise_bad_targets(t, vocab, spec.tf.ignore_index, n_bad, target)
         if n_valid < n:
             rows = (t != spec.tf.ignore_index).nonzero_static(size=n_valid).squeeze(1)
             x, t = x.index_select(0, rows), t.index_select(0, rows)
@@ -291,10 +292,10 @@ def _new_stats(n: int, device: torch.device, want: frozenset) -> RowStats:
 
 def _check(input, weight, target, bias, ignore_index, temperature, softcap, outputs, chunk_size):
     """Argument checks; returns (Transform, the wanted fields)."""
-    if _is_dtensor(weight):
+    if is_dtensor(weight):
         raise TypeError("linear_weight is a DTensor: pass a regular tensor (e.g. linear_weight.full_tensor())")
     opts = LossOptions(ignore_index=ignore_index, softcap=softcap, temperature=temperature, reduction="none")
-    _check_tensors(input, weight, target, bias, None)
+    check_tensors(input, weight, target, bias, None, min_vocab=0)
     check_run_options("none", None, chunk_size, None)
     if isinstance(outputs, str) or not isinstance(outputs, Iterable):
         raise TypeError(f"outputs must be a tuple of field names among {FIELDS}, got {outputs!r}")

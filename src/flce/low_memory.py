@@ -17,6 +17,7 @@ import torch
 
 from .function import LoopSpec
 from .gemm import mm_into
+from .kernels import math_dtype
 from .kernels.ce_block_torch import RowTerms, ce_block_torch
 from .kernels.scale import scale_into
 from .low_memory_plan import LowMemoryPlan, plan_low_memory
@@ -70,13 +71,13 @@ def block_logits_grad(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Ten
 
 def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, terms: RowTerms,
                        need_w: bool, need_b: bool, spec: LoopSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """grad_weight (V, H) in the weight's dtype and grad_bias (V,) float32, block by block of vocabulary
+    """grad_weight (V, H) in the weight's dtype and grad_bias (V,) in the math dtype, block by block of vocabulary
     columns (``spec.plan.block_cols``), each from all n rows at once. x: (n, H), weight: (V, H)."""
     opts, plan, compute_dtype, backend = spec.opts, spec.plan, spec.compute_dtype, spec.backend
     n, hidden = x.shape
     vocab = weight.shape[0]
     grad_w = torch.empty(vocab, hidden, dtype=weight.dtype, device=x.device) if need_w else None
-    grad_b = torch.empty(vocab, dtype=torch.float32, device=x.device) if need_b else None
+    grad_b = torch.empty(vocab, dtype=math_dtype(compute_dtype), device=x.device) if need_b else None
     if n == 0:
         return tuple(None if g is None else g.zero_() for g in (grad_w, grad_b))
     x_c = _as_dtype(x, compute_dtype)
@@ -88,7 +89,7 @@ def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         if grad_w is not None:
             mm_into(grad_w[start:end], dz.t(), x_c, accumulate=False)
         if grad_b is not None:
-            torch.sum(dz, 0, dtype=torch.float32, out=grad_b[start:end])
+            torch.sum(dz, 0, dtype=grad_b.dtype, out=grad_b[start:end])
     return grad_w, grad_b
 
 
@@ -114,8 +115,8 @@ class LowMemoryFunction(torch.autograd.Function):
         # grad_input in forward, times the reduction's scale (1 for 'none': backward scales its rows).
         fwd_scale = None
         if needs[0]:
-            fwd_scale = grad_scale if grad_scale is not None else torch.ones((), dtype=torch.float32,
-                                                                              device=x.device)
+            fwd_scale = grad_scale if grad_scale is not None else torch.ones(
+                (), dtype=math_dtype(spec.compute_dtype), device=x.device)
         parts, grads = loop(x, weight, bias, target, class_weight, weight_sum, fwd_scale, (needs[0], False, False),
                             spec)
         ctx.grad_input = grads.input
@@ -139,7 +140,7 @@ class LowMemoryFunction(torch.autograd.Function):
         spec, needs, dtypes = ctx.meta
         x, weight, bias, target, class_weight, weight_sum, grad_scale, lse = ctx.saved_tensors
         grad_x, ctx.grad_input = ctx.grad_input, None
-        g = _as_dtype(grad_loss, torch.float32)
+        g = _as_dtype(grad_loss, math_dtype(spec.compute_dtype))  # float64 stays float64
         if grad_scale is None:  # reduction='none': grad_output per row
             g = g.reshape(-1).contiguous()
             if grad_x is not None:

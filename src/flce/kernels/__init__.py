@@ -7,15 +7,19 @@ import os
 
 import torch
 
-from ..options import LossOptions
+from ..options import BACKENDS, LossOptions
 from .ce_torch import ce_chunk_torch
 
-BACKENDS = ("auto", "triton", "torch")
+
+def math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the cross-entropy arithmetic and of the loss for logits of ``dtype``: float64 for
+    float64 (as eager PyTorch), else float32 whatever the storage dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def triton_available(device: torch.device) -> bool:
-    """Triton runs on CUDA, and on the CPU only under its interpreter (TRITON_INTERPRET=1)."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    """Triton runs on CUDA, and on the CPU only under its interpreter (TRITON_INTERPRET=1, read per call)."""
+    if device.type != "cuda" and not (os.environ.get("TRITON_INTERPRET") == "1" and _interpreter_ready()):
         return False
     try:
         import triton  # noqa: F401
@@ -24,25 +28,43 @@ def triton_available(device: torch.device) -> bool:
     return True
 
 
+def _interpreter_ready() -> bool:
+    """Whether triton's own jit functions (tl.max, tl.sum, ...) are interpreted. triton decides that when
+    it is first imported: if TRITON_INTERPRET=1 came later, its kernels cannot run on the CPU."""
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return isinstance(tl.standard.sum, InterpretedFunction)
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_on_cuda() -> bool:
     return triton_available(torch.device("cuda"))
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """'auto' means triton on CUDA and torch elsewhere; an explicit 'triton' must be runnable."""
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """'auto' means triton on CUDA and torch elsewhere; an explicit 'triton' must be runnable. The Triton
+    kernels compute in float32, so float64 (``dtype``, the logits') always takes the torch twin, whose
+    arithmetic then is float64."""
     if device.type == "cuda" and (backend == "auto" or backend == "triton") and _triton_on_cuda():
-        return "triton"  # every training step asks: answered once per process
+        return "torch" if dtype == torch.float64 else "triton"  # every step asks: answered once per process
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available(device) else "torch"
+        return "triton" if device.type == "cuda" and dtype != torch.float64 and triton_available(device) else "torch"
     if backend == "triton" and not triton_available(device):
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
+            raise ValueError("backend='triton' cannot run on the CPU in this process: TRITON_INTERPRET=1 was set "
+                             "after triton was first imported, and triton reads it only then. Set it in the "
+                             "environment before starting Python (or use backend='torch')")
         raise ValueError(
             f"backend='triton' cannot run on {device.type} tensors here: it needs CUDA, or "
-            "TRITON_INTERPRET=1 set before flce is imported for the CPU interpreter, and triton installed"
+            "TRITON_INTERPRET=1 in the environment before triton is first imported (the CPU interpreter), "
+            "and triton installed"
         )
-    return backend
+    return "torch" if dtype == torch.float64 else backend
 
 
 def ce_chunk(
@@ -65,10 +87,11 @@ def ce_chunk(
     Args:
         logits: (n, V), rows contiguous; overwritten with grad_scale * d loss / d logits when
             ``grad_scale`` is given (exact zeros on ignored rows).
-        target: (n,) int64. loss, lse: (n,) float32 outputs (0 on ignored rows).
-        correct: (n,) float32 output, 1 where argmax == target, or None to skip.
-        class_weight: (V,) or None; weight_sum: 0-d sum of class_weight (float32) or None.
-        grad_scale: None (loss only), a 0-d scale, or (n,) per-row scales; all float32.
+        target: (n,) int64. loss, lse: (n,) outputs in the math dtype (``math_dtype``: float32, float64
+            for float64 logits, which only the torch twin takes), 0 on ignored rows.
+        correct: (n,) output in the math dtype, 1 where argmax == target, or None to skip.
+        class_weight: (V,) or None; weight_sum: 0-d sum of class_weight or None.
+        grad_scale: None (loss only), a 0-d scale, or (n,) per-row scales; all in the math dtype.
         counts: None, or (3,) int64 zeros when the chunk holds all rows of a mean (the small-batch
             path): then the kernel also counts [targets that are not ignore_index, those outside
             [0, V), -] into it, writes grad_scale = 1 / max(valid, 1) and ``total`` (0-d float32) =
@@ -80,6 +103,7 @@ def ce_chunk(
     if backend == "triton":
         from .ce_triton import ce_chunk_triton
 
+        assert logits.dtype != torch.float64, "float64 takes the torch twin (resolve_backend)"
         ce_chunk_triton(logits, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts, counts,
                         total, tile_stats)
     else:

@@ -20,10 +20,32 @@ import triton.language as tl
 from ..options import LossOptions
 
 
+# tanh(x) = x + x^3 * P(x^2) for |x| <= TANH_SMALL: P fitted (iteratively reweighted least squares) for
+# tanh's relative error, under one float32 ulp in float32 Horner arithmetic.
+TANH_SMALL = tl.constexpr(0.625)
+TANH_P0 = tl.constexpr(-0.3333328068256378)
+TANH_P1 = tl.constexpr(0.13331441581249237)
+TANH_P2 = tl.constexpr(-0.05373971164226532)
+TANH_P3 = tl.constexpr(0.020639073103666306)
+TANH_P4 = tl.constexpr(-0.005704972892999649)
+
+
 @triton.jit
 def _tanh(x):
-    # Portable tanh (libdevice is CUDA-only; the interpreter has none): saturates cleanly to +-1.
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    """tanh to float32 rounding over all x, portable (libdevice is CUDA-only; the interpreter has none).
+
+    1 - 2 / (exp(2x) + 1) alone cancels for small |x| (softcap 1e6 lost 2e-3 of the loss, 1e30 gave 0):
+    the odd polynomial covers |x| <= 0.625, where softcap * tanh(z / softcap) must give back z for a
+    large softcap; beyond, that formula on |x| has no cancellation and saturates cleanly to +-1."""
+    a = tl.abs(x)
+    s = x * x
+    p = TANH_P3 + s * TANH_P4
+    p = TANH_P2 + s * p
+    p = TANH_P1 + s * p
+    p = TANH_P0 + s * p
+    small = x + x * s * p
+    big = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
+    return tl.where(a <= TANH_SMALL, small, tl.where(x < 0.0, -big, big))
 
 
 @triton.jit
@@ -287,14 +309,14 @@ def _ce_kernel(
 @dataclass(frozen=True)
 class LaunchConfig:
     """programs_per_sm: grid size per SM (rows are dealt out round-robin); block_v: vocabulary columns
-    per step. Defaults from benchmark/tune_ce.py on an H200 (``--ce-shapes``, session 3: 0.912 ms for
-    4096 x 128256 bf16 against 1.095 for 8 / 8192 / 16 warps, and best or within 5% of the best at
+    per step. Defaults from benchmark/tune_ce.py on an H200 (``--ce-shapes``, commit 041c599: 0.912 ms
+    for 4096 x 128256 bf16 against 1.095 for 8 / 8192 / 16 warps, and best or within 5% of the best at
     1024 x 128256 and 8192 x 32000; see benchmark/NOTES.md).
 
     few_rows_*: the launch for chunks of at most ``few_rows_per_sm`` rows per SM (small batches). Each
     row's program then has its SM nearly to itself and its time is the latency of its block loop, so
-    wider blocks put more bytes in flight (session 4, x 128256: 0.058 / 0.060 / 0.057 / 0.100 ms at
-    1 / 16 / 64 / 256 rows against 0.069 / 0.095 / 0.071 / 0.110 for the default launch)."""
+    wider blocks put more bytes in flight (commit a48998c, x 128256: 0.058 / 0.060 / 0.057 / 0.100 ms
+    at 1 / 16 / 64 / 256 rows against 0.069 / 0.095 / 0.071 / 0.110 for the default launch)."""
 
     programs_per_sm: int = 16
     block_v: int = 8192

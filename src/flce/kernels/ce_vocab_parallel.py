@@ -7,7 +7,8 @@ Stage 2 (``shard_grad``): given the global lse and per-row coefficients, the gra
 rank's columns, written over the logits in place.
 
 Each stage has a Triton kernel (one program per row, blocks over the shard's columns, float32
-arithmetic) and a torch twin with the same contract (CPU, and the kernels' test reference).
+arithmetic) and a torch twin with the same contract (CPU, float64 logits, and the kernels' test
+reference); the twin computes in float32, or in float64 for float64 logits.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def shard_stats(
     Args:
         logits: (n, V_local) raw logits (before temperature and softcap), rows contiguous.
         target_local: (n,) int64 column of the target in this shard, -1 where it is not here.
-        class_weight: (V_local,) float32 slice of the class weights, or None.
-        out: (4, n) float32, written: row max of z, sum of exp(z - max), z at the target (0 where
-            target_local is -1), sum_j w_j z_j (only when label smoothing is on, else left unwritten).
+        class_weight: (V_local,) slice of the class weights (in the math dtype), or None.
+        out: (4, n) float32 (float64 for float64 logits), written: row max of z, sum of exp(z - max),
+            z at the target (0 where target_local is -1), sum_j w_j z_j (only when label smoothing is
+            on, else left unwritten).
     """
     if logits.shape[1] == 0:  # an empty shard: neutral elements of max and sum
         out[ROW_MAX].fill_(float("-inf"))
@@ -74,8 +76,9 @@ def shard_grad(
 
     Args:
         logits: (n, V_local) raw logits, overwritten. target_local: (n,) int64, -1 if not here.
-        class_weight: (V_local,) float32 or None (w_j = 1). lse, extra_coef, target_coef, scale: (n,)
-            float32; ``scale`` already holds grad_output / temperature (0 on ignored rows).
+        class_weight: (V_local,) or None (w_j = 1). lse, extra_coef, target_coef, scale: (n,), all in the
+            math dtype (float32, float64 for float64 logits); ``scale`` already holds grad_output /
+            temperature (0 on ignored rows, NaN on rows whose unchecked target is outside [0, V)).
     """
     if logits.numel() == 0:
         return
@@ -90,7 +93,8 @@ def shard_grad(
 
 
 def _capped_logits(logits: torch.Tensor, opts: LossOptions) -> torch.Tensor:
-    z = logits.float() / opts.temperature
+    """z in float32 (float64 for float64 logits: the math dtype of every flce loss)."""
+    z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32) / opts.temperature
     return opts.softcap * torch.tanh(z / opts.softcap) if opts.softcap is not None else z
 
 

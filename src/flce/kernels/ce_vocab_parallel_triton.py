@@ -1,8 +1,8 @@
 """Triton kernels of the two vocab-parallel stages (contract in ``ce_vocab_parallel``).
 
 One program per row, blocks over the shard's columns, float32 arithmetic whatever the logits' dtype.
-The row passes (online softmax, gradient written over the row) are the core kernel's helpers, so
-both kernels compute the same z and the same gradient.
+The row passes (online softmax, gradient written over the row) are the core kernel's own jit
+functions, so both kernels compute the same z (the same accurate tanh under softcap) and gradient.
 """
 
 from __future__ import annotations
