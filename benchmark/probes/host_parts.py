@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from common import host_us_per_call
 
 import flce
-from flce import api, planner
+from flce import api, checks, planner
 from flce.kernels.ce_triton import ce_chunk_triton
 from flce.options import LossOptions
 
@@ -48,7 +48,7 @@ pieces = {
     "dl.mul_(0-d)": lambda: logits.mul_(scale),
     "0-d * 0-d": lambda: scale * scale,
     "ce_chunk_triton": lambda: ce_chunk_triton(logits, t, loss, lse, None, None, None, scale, opts),
-    "_check_tensors": lambda: api._check_tensors(x, w, t, None, None),
+    "check_tensors": lambda: checks.check_tensors(x, w, t, None, None),
     "plan_chunks": lambda: planner.plan_chunks(BT, V, torch.bfloat16, torch.bfloat16, weight_grad_hidden=H),
     "trivial Function fwd+autograd.grad": lambda: torch.autograd.grad(Trivial.apply(x, w), (x, w), allow_unused=True),
     "flce forward, no grad": lambda: flce.linear_cross_entropy(xd, wd, t, validate_target=False),
