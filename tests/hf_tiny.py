@@ -18,7 +18,7 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidde
                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
                eos_token_id=2, attention_dropout=0.0)
 _MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.05, output_router_logits=True)
-# family -> (config class, overrides); one entry per class in flce.patches.FAMILIES
+# family -> (config class, overrides): hand-sized models for the focused tests (the whole zoo: hf_zoo.py)
 CONFIGS = {
     "llama": ("LlamaConfig", {}),
     "mistral": ("MistralConfig", {}),

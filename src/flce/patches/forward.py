@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -23,6 +24,7 @@ from .settings import PatchSettings
 from .transform import ADVICE
 
 _SIGNATURES: dict[type, inspect.Signature] = {}
+_HOLDER_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [(parent path, name)]
 
 
 def causal_lm_forward(model: nn.Module, inner: Callable, settings: PatchSettings, args: tuple,
@@ -97,19 +99,31 @@ def _put_back(holders: list[tuple[nn.Module, str]], head: nn.Module) -> None:
 
 
 def _holders(model: nn.Module, head: nn.Module) -> list[tuple[nn.Module, str]]:
-    """Every (parent, name) with ``parent._modules[name] is head`` below ``model`` (no generators: traceable)."""
-    holders, stack, seen = [], [model], set()
+    """Every (parent, name) with ``parent._modules[name] is head`` below ``model``.
+
+    Found once per model (paths, checked on every call) in eager mode; while torch.compile traces, found
+    without the cache (the search runs at trace time only, and uses no generators, which Dynamo cannot step).
+    """
+    compiling = torch.compiler.is_compiling()
+    paths = None if compiling else _HOLDER_PATHS.get(model)
+    if paths is not None:
+        holders = [(model.get_submodule(parent), name) for parent, name in paths]
+        if all(parent._modules.get(name) is head for parent, name in holders):
+            return holders
+    paths, stack, seen = [], [("", model)], set()
     while stack:
-        module = stack.pop()
+        prefix, module = stack.pop()
         if id(module) in seen:
             continue
         seen.add(id(module))
         for name, child in module._modules.items():
             if child is head:
-                holders.append((module, name))
+                paths.append((prefix, name))
             elif child is not None:
-                stack.append(child)
-    return holders
+                stack.append((f"{prefix}.{name}" if prefix else name, child))
+    if not compiling:
+        _HOLDER_PATHS[model] = paths
+    return [(model.get_submodule(parent), name) for parent, name in paths]
 
 
 def _check_consumed(model: nn.Module, head: nn.Module, calls: list[HeadCall]) -> None:

@@ -226,7 +226,7 @@ def _view(a, *shape):
     shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
     if any(isinstance(s, torch.dtype) for s in shape):
         raise Unfusable("a view as another dtype")
-    if any(not isinstance(s, int) for s in shape):
+    if any(not isinstance(s, (int, torch.SymInt)) for s in shape):
         raise Unfusable(f"a reshape to {shape!r}")
     shape = _resolve(shape, a.numel())
     if not shape or shape[-1] != a.shape[-1]:
@@ -291,15 +291,11 @@ def _dims_consumed(i) -> int:
 
 
 def _lead_only(op: str):
-    """Ops over the leading dimensions only (dims given as arguments must not be the last one)."""
+    """squeeze / unsqueeze / transpose / permute over the leading dimensions only."""
     def handler(a, *args, **kwargs):
-        method = getattr(a._row_index(), op)
-        rows = method(*args, **kwargs)
-        if op in ("squeeze", "unsqueeze", "transpose", "permute", "movedim"):
-            moved = _moves_vocab(op, a.dim(), args, kwargs)
-            if moved:
-                raise Unfusable(f"{op} over the vocabulary dimension")
-        return a._with_rows(rows)
+        if _moves_vocab(op, a.dim(), args, kwargs):
+            raise Unfusable(f"{op} over the vocabulary dimension")
+        return a._with_rows(getattr(a._row_index(), op)(*args, **kwargs))
     return handler
 
 
@@ -402,11 +398,9 @@ _HANDLERS = {
     F.cross_entropy: _cross_entropy,
 }
 
+
 def _op_name(func) -> str:
     name = getattr(func, "__name__", None) or repr(func)
-    owner = getattr(func, "__self__", None)
-    if name == "__get__" and owner is not None:
-        return f"the attribute .{owner.__name__}"
     module = getattr(func, "__module__", None) or ""
     return f"{module}.{name}" if module.startswith("torch.nn") else name
 
