@@ -63,13 +63,25 @@ def tiny_batch(batch: int = 3, seq: int = 11, ignore: float = 0.25, pad: bool = 
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def loss_and_grads(model: torch.nn.Module, **inputs):
-    """(output, {name: grad}) of one forward/backward from zeroed gradients."""
+def loss_and_grads(model: torch.nn.Module, through=None, **inputs):
+    """(output, {name: grad}) of one forward/backward from zeroed gradients; ``through``: a wrapper of
+    ``model`` to call instead (torch.compile's)."""
     model.zero_grad(set_to_none=True)
-    output = model(**inputs)
+    output = (model if through is None else through)(**inputs)
     output.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return output, grads
+
+
+def assert_same_step(got, want, got_grads: dict, want_grads: dict, loss_tol: float, grad_tol: float,
+                     expect_fused: bool = True) -> None:
+    """A patched step (logits None when fused) against the unpatched one: loss and every gradient."""
+    assert (got.logits is None) == expect_fused
+    assert_close(got.loss, want.loss, loss_tol, "loss")
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        assert got_grads[name].dtype == grad.dtype, name
+        assert_close(got_grads[name], grad, grad_tol, name)
 
 
 @contextlib.contextmanager
@@ -87,12 +99,7 @@ def assert_patched_matches(model: torch.nn.Module, inputs: dict, loss_tol: float
     want, want_grads = loss_and_grads(model, **inputs)
     with patched(model, **options):
         got, got_grads = loss_and_grads(model, **inputs)
-    assert (got.logits is None) == expect_fused
-    assert_close(got.loss, want.loss, loss_tol, "loss")
-    assert got_grads.keys() == want_grads.keys()
-    for name, grad in want_grads.items():
-        assert got_grads[name].dtype == grad.dtype, name
-        assert_close(got_grads[name], grad, grad_tol, name)
+    assert_same_step(got, want, got_grads, want_grads, loss_tol, grad_tol, expect_fused)
     return want, got
 
 

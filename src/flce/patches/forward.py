@@ -45,7 +45,7 @@ def causal_lm_forward(model: nn.Module, inner: Callable, settings: PatchSettings
     recorder = _Recorder(head, type(model).__name__, settings.loss_options, calls)
     for parent, name in holders:  # no hooks of the head fire for this call: it computes nothing
         parent._modules[name] = recorder
-    if torch.compiler.is_compiling():  # no try block around the fused loss: torch.compile resumes after it
+    if torch.compiler.is_compiling():  # no try block around the loss's graph break: torch.compile resumes after it
         output = inner(*args, **kwargs)
         _put_back(holders, head)
     else:
@@ -68,6 +68,8 @@ def static_refusal(model: nn.Module) -> str | None:
     head = get() if callable(get) else None
     if not isinstance(head, nn.Module):
         return "it has no output embedding (get_output_embeddings() returns None)"
+    if not _holders(model, head):
+        return f"its output embedding ({type(head).__name__}) is not a submodule of it"
     return unreadable_reason(head)
 
 

@@ -97,21 +97,13 @@ def head_loss(head: nn.Module, rows: torch.Tensor, target: torch.Tensor, transfo
     attr = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
     saved = module.__dict__.get(attr)
     setattr(module, attr, fused_forward)
-    if torch.compiler.is_compiling():  # no try block around the fused loss: torch.compile resumes after it
-        loss = head(rows)
-        _restore(module, attr, saved)
-        return loss
     try:
         return head(rows)
     finally:
-        _restore(module, attr, saved)
-
-
-def _restore(module: nn.Module, attr: str, saved) -> None:
-    if saved is None:
-        delattr(module, attr)
-    else:
-        setattr(module, attr, saved)
+        if saved is None:
+            delattr(module, attr)
+        else:
+            setattr(module, attr, saved)
 
 
 def _is_plain_linear(module: nn.Module) -> bool:

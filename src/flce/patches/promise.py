@@ -98,7 +98,7 @@ class LogitsPromise:
         handler = _HANDLERS.get(func)
         if handler is None:
             raise promise._call.refusal(_op_name(func))
-        if handler is _cross_entropy:  # no try block around the fused loss: torch.compile resumes after it
+        if handler is fused_cross_entropy:  # no try block around the graph break: torch.compile resumes after it
             return handler(*args, **kwargs)
         return _refusing(handler, promise)(*args, **kwargs)
 
@@ -311,12 +311,10 @@ def _moves_vocab(op: str, ndim: int, args: tuple, kwargs: dict) -> bool:
     return any(d % ndim == ndim - 1 for d in dims)
 
 
-def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                   reduction="mean", label_smoothing=0.0):
-    """F.cross_entropy of a promise: the fused loss, computed by one call of the head.
-
-    No try block around the head call: torch.compile then resumes right after the loss's graph break.
-    """
+@torch.compiler.disable  # the one graph break of a compiled patched model: the head call and flce's loss
+def fused_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                        reduction="mean", label_smoothing=0.0):
+    """F.cross_entropy of a promise: the fused loss, computed by one call of the head (hooks and all)."""
     from .head import head_loss
 
     if not isinstance(input, LogitsPromise):
@@ -395,7 +393,7 @@ _HANDLERS = {
     torch.mul: _mul, torch.multiply: _mul, torch.div: _div, torch.divide: _div, torch.true_divide: _div,
     torch.add: _add, torch.sub: _sub, torch.subtract: _sub, torch.tanh: _tanh, F.tanh: _tanh,
     torch.clone: _same, torch.reshape: _view, torch.flatten: _flatten, torch.neg: _METHODS["neg"],
-    F.cross_entropy: _cross_entropy,
+    F.cross_entropy: fused_cross_entropy,
 }
 
 
