@@ -388,7 +388,7 @@ def _assert_same_eval(model: torch.nn.Module, reference: torch.nn.Module, inputs
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+    return f"{type(e).__name__}: {text[0].rstrip(':') if text else ''}"[:300]
 
 
 # -- the recorded verdicts and the supported-model list generated from them -----------------------------------

@@ -36,6 +36,12 @@ def test_softcap_comes_from_config(family):
     assert abs(uncapped.item() - want.loss.item()) > 1e-2
 
 
+def test_softcap_option_on_a_model_that_caps_its_logits_is_refused():
+    model = tiny_model("gemma2")
+    with patched(model, softcap=10.0), pytest.raises(ValueError, match="already caps at 2 .*leave the option out"):
+        model(**tiny_batch())
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_tied_and_untied_heads(tie):
     model = tiny_model("qwen3", head_scale=HEAD_SCALE, tie_word_embeddings=tie)

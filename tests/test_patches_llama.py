@@ -2,7 +2,6 @@
 losses match the unpatched model's (PEFT heads: test_patches_peft.py)."""
 
 import pytest
-import torch
 import transformers
 from hf_tiny import assert_patched_matches, converges_alike, loss_and_grads, patched, tiny_batch, tiny_model
 from reference import assert_close

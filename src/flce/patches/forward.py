@@ -92,6 +92,8 @@ class _Recorder:
         return LogitsPromise.of_head_call(call, _out_features(self._flce_head), _output_dtype(hidden, self._flce_head))
 
     def __getattr__(self, name: str):
+        if name.startswith("_flce_"):  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self._flce_head, name)
 
 

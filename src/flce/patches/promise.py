@@ -328,8 +328,10 @@ def fused_cross_entropy(input, target, weight=None, size_average=None, ignore_in
         raise ValueError(f"cross_entropy: logits of shape {tuple(input.shape)} do not match targets of shape "
                          f"{tuple(target.shape)}")
     options = _call_options(call, weight, label_smoothing)
-    transform = _refusing(LogitTransform.with_options, input)(input._transform, options.pop("temperature", None),
-                                                                options.pop("softcap", None))
+    try:
+        transform = input._transform.with_options(options.pop("temperature", None), options.pop("softcap", None))
+    except Unfusable as e:
+        raise ValueError(f"flce: apply_flce_patch's {e} ({call.owner}); leave the option out") from None
     hidden = call.hidden  # all rows in order: the head sees what it would have seen unpatched
     if input._rows is not None:
         rows = input._rows.reshape(-1).to(hidden.device)

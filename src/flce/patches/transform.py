@@ -66,13 +66,11 @@ class LogitTransform:
 
     def with_options(self, temperature: float | None, softcap: float | None) -> LogitTransform:
         """The user's ``temperature`` divides, and ``softcap`` caps, the model's final logits."""
-        transform = self
-        if temperature is not None:
-            transform = transform.scaled(1.0 / temperature, "the temperature option")
+        transform = self if temperature is None else self.scaled(1.0 / temperature, "temperature option")
         if softcap is not None:
             if transform.capped:
-                raise Unfusable(f"the softcap option on logits the model already caps at {transform.cap:g}")
-            transform = replace(transform.scaled(1.0 / softcap, "the softcap option").tanh(), cap=softcap)
+                raise Unfusable(f"softcap option cannot cap logits the model already caps at {transform.cap:g}")
+            transform = replace(transform.scaled(1.0 / softcap, "softcap option").tanh(), cap=softcap)
         return transform
 
     def loss_options(self) -> dict:
