@@ -144,10 +144,10 @@ def _lora_parts(head: nn.Module, x: torch.Tensor) -> LinearParts:
     if not (head.disable_adapters or head.merged):
         for name in _active_adapters(head):
             blocks, extra = _adapter_blocks(head, name, x, blocks, extra)
-    bias = base.bias if extra is None else (extra if base.bias is None else base.bias + extra)
+    dtype, wdtype = x.dtype, base.weight.dtype
+    bias = base.bias if extra is None else (extra if base.bias is None else base.bias + extra).to(wdtype)
     if len(blocks) == 1:
         return LinearParts(x, base.weight, bias)
-    dtype, wdtype = x.dtype, base.weight.dtype
     features = torch.cat([f.to(dtype) for f, _ in blocks], dim=-1)
     weight = torch.cat([w.to(wdtype) for _, w in blocks], dim=1)
     return LinearParts(features, weight, bias)
