@@ -18,7 +18,7 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidde
                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
                eos_token_id=2, attention_dropout=0.0)
 _MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.05, output_router_logits=True)
-# family -> (config class, overrides); one entry per class in flce.patches.FAMILIES
+# family -> (config class, overrides): hand-sized models for the focused tests (the whole zoo: hf_zoo.py)
 CONFIGS = {
     "llama": ("LlamaConfig", {}),
     "mistral": ("MistralConfig", {}),
@@ -63,13 +63,25 @@ def tiny_batch(batch: int = 3, seq: int = 11, ignore: float = 0.25, pad: bool = 
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def loss_and_grads(model: torch.nn.Module, **inputs):
-    """(output, {name: grad}) of one forward/backward from zeroed gradients."""
+def loss_and_grads(model: torch.nn.Module, through=None, **inputs):
+    """(output, {name: grad}) of one forward/backward from zeroed gradients; ``through``: a wrapper of
+    ``model`` to call instead (torch.compile's)."""
     model.zero_grad(set_to_none=True)
-    output = model(**inputs)
+    output = (model if through is None else through)(**inputs)
     output.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return output, grads
+
+
+def assert_same_step(got, want, got_grads: dict, want_grads: dict, loss_tol: float, grad_tol: float,
+                     expect_fused: bool = True) -> None:
+    """A patched step (logits None when fused) against the unpatched one: loss and every gradient."""
+    assert (got.logits is None) == expect_fused
+    assert_close(got.loss, want.loss, loss_tol, "loss")
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        assert got_grads[name].dtype == grad.dtype, name
+        assert_close(got_grads[name], grad, grad_tol, name)
 
 
 @contextlib.contextmanager
@@ -87,12 +99,7 @@ def assert_patched_matches(model: torch.nn.Module, inputs: dict, loss_tol: float
     want, want_grads = loss_and_grads(model, **inputs)
     with patched(model, **options):
         got, got_grads = loss_and_grads(model, **inputs)
-    assert (got.logits is None) == expect_fused
-    assert_close(got.loss, want.loss, loss_tol, "loss")
-    assert got_grads.keys() == want_grads.keys()
-    for name, grad in want_grads.items():
-        assert got_grads[name].dtype == grad.dtype, name
-        assert_close(got_grads[name], grad, grad_tol, name)
+    assert_same_step(got, want, got_grads, want_grads, loss_tol, grad_tol, expect_fused)
     return want, got
 
 

@@ -1,13 +1,15 @@
 """apply_flce_patch / remove_flce_patch: class and instance patching, idempotence, exact removal, clear
-errors with nothing patched, accelerate's mixed precision before and after prepare."""
+errors with nothing patched, models that override the forward or the loss, pickling, accelerate's mixed
+precision before and after prepare."""
 
 import copy
 import inspect
+import io
 
 import pytest
 import torch
 import transformers
-from hf_tiny import loss_and_grads, patched, tiny_batch, tiny_model
+from hf_tiny import assert_patched_matches, loss_and_grads, patched, tiny_batch, tiny_model
 from reference import assert_close
 
 import flce
@@ -84,26 +86,81 @@ def test_patched_model_deepcopies():
     assert "forward" not in clone.__dict__
 
 
-class _NotSupported(transformers.LlamaForCausalLM):
-    def forward(self, *args, **kwargs):
-        return super().forward(*args, **kwargs)
+def _with_head(model, head):
+    model.lm_head = head
+    return model
 
 
-@pytest.mark.parametrize("what", [transformers.GPT2LMHeadModel, transformers.LlamaForSequenceClassification,
-                                  _NotSupported, "instance"])
-def test_unsupported_class_names_it_and_patches_nothing(what):
-    if what == "instance":
-        config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, bos_token_id=0, eos_token_id=0)
-        model = transformers.GPT2LMHeadModel(config)
-        cls, state = type(model), dict(model.__dict__)
-    else:
-        model, cls, state = what, what, None
-    before = dict(cls.__dict__)
-    with pytest.raises(ValueError, match=cls.__name__):
-        flce.apply_flce_patch(model)
-    assert dict(cls.__dict__) == before
-    if state is not None:
-        assert model.__dict__ == state
+@pytest.mark.parametrize("what, match", [
+    (transformers.LlamaForSequenceClassification, "no GenerationMixin"),
+    (transformers.Gemma4AssistantForCausalLM, "takes no labels"),
+    ("sequence classifier", "no output embedding"),
+    ("custom head", "output embedding is a Sequential"),
+])
+def test_what_cannot_be_fused_is_refused_at_patch_time_and_nothing_is_patched(what, match):
+    if what == "sequence classifier":
+        config = tiny_model("llama").config
+        what = transformers.LlamaForSequenceClassification(config)
+    elif what == "custom head":
+        model = tiny_model("llama")
+        what = _with_head(model, torch.nn.Sequential(model.lm_head))
+    cls = what if isinstance(what, type) else type(what)
+    before_cls, before = dict(cls.__dict__), None if isinstance(what, type) else dict(what.__dict__)
+    with pytest.raises(ValueError, match=f"flce cannot fuse {cls.__name__}: .*{match}"):
+        flce.apply_flce_patch(what)
+    assert dict(cls.__dict__) == before_cls
+    if before is not None:
+        assert what.__dict__ == before
+
+
+class _OwnForward(transformers.LlamaForCausalLM):
+    """A subclass with its own forward (here: a label-smoothed loss): the patch runs it as it is."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        if labels is not None:
+            logits = out.logits[:, :-1].float() * 0.5
+            out.loss = torch.nn.CrossEntropyLoss(label_smoothing=0.1)(logits.reshape(-1, logits.shape[-1]),
+                                                                      labels[:, 1:].reshape(-1))
+        return out
+
+
+class _ReadsHeadWeight(transformers.LlamaForCausalLM):
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        logits = hidden @ self.lm_head.weight.T
+        loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class _LossNotFromLogits(transformers.LlamaForCausalLM):
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        out.loss = None if labels is None else self.model.norm.weight.sum()  # logits computed, never used
+        return out
+
+
+def _as(cls, model):
+    other = cls(model.config)
+    other.load_state_dict(model.state_dict())
+    return other.train()
+
+
+def test_a_subclass_with_its_own_forward_is_fused_exactly():
+    model = _as(_OwnForward, tiny_model("llama", head_scale=20.0))
+    assert_patched_matches(model, tiny_batch(), loss_tol=2e-6, grad_tol=2e-5)
+
+
+@pytest.mark.parametrize("cls, match", [(_ReadsHeadWeight, "does not call its output embedding"),
+                                        (_LossNotFromLogits, "does not compute its loss with cross_entropy")])
+def test_a_forward_that_bypasses_the_head_or_its_logits_is_refused_at_the_first_call(cls, match):
+    model = _as(cls, tiny_model("llama"))
+    inputs = tiny_batch()
+    with patched(model):
+        with pytest.raises(ValueError, match=f"flce cannot fuse {cls.__name__}: its forward {match}"):
+            model(**inputs)
+        assert model.lm_head.__class__ is torch.nn.Linear  # put back after the refusal
+        assert model(**{k: v for k, v in inputs.items() if k != "labels"}).logits is not None
 
 
 @pytest.mark.parametrize("what", [42, torch.nn.Linear(2, 2), dict])
@@ -139,14 +196,61 @@ def test_wrappers_are_looked_through():
     assert "forward" not in model.__dict__
 
 
-def test_custom_loss_function_runs_unfused_with_a_warning():
+def test_a_custom_loss_function_is_fused_when_it_is_a_cross_entropy():
+    model = tiny_model("llama", head_scale=20.0)
+    model.loss_function = lambda logits, labels, vocab_size, **kw: torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, vocab_size) / 2.0, labels[:, 1:].reshape(-1), label_smoothing=0.2)
+    assert_patched_matches(model, tiny_batch(), loss_tol=2e-6, grad_tol=2e-5)
+
+
+def test_a_custom_loss_function_that_uses_the_logits_otherwise_is_refused_by_name():
     model = tiny_model("llama")
     model.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().square().mean()
     inputs = tiny_batch()
     want = model(**inputs).loss
-    with patched(model), pytest.warns(UserWarning, match="loss_function"):
+    with patched(model), pytest.raises(ValueError, match=r"LlamaForCausalLM: it applies \.square .*"
+                                                          "materialize_logits=True"):
+        model(**inputs)
+    with patched(model, materialize_logits=True):
         got = model(**inputs)
     assert got.logits is not None and torch.equal(got.loss, want)
+
+
+def _pickled(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def test_a_patched_instance_saved_whole_comes_back_patched_and_unpatches_cleanly():
+    model = tiny_model("llama", head_scale=20.0)
+    inputs = tiny_batch()
+    want = model(**inputs).loss
+    flce.apply_flce_patch(model)
+    loaded = _pickled(model)
+    got = loaded(**inputs)
+    assert got.logits is None and loaded.forward.model is loaded  # its own forward, not the original's
+    assert_close(got.loss, want, 2e-6, "loss after loading")
+    assert inspect.signature(loaded.forward) == inspect.signature(model.forward)
+    flce.apply_flce_patch(loaded, z_loss=0.5)  # re-applying updates it
+    assert loaded(**inputs).loss.item() > want.item() + 1.0
+    flce.remove_flce_patch(loaded)
+    assert not [k for k in loaded.__dict__ if k.startswith("_flce") or k == "forward"]
+    assert loaded(**inputs).logits is not None
+    flce.apply_flce_patch(loaded)
+    assert loaded(**inputs).logits is None
+
+
+def test_an_instance_of_a_patched_class_saved_whole_follows_the_class():
+    cls = transformers.LlamaForCausalLM
+    model = tiny_model("llama")
+    with patched(cls):
+        model(**tiny_batch())
+        loaded = _pickled(model)
+        assert loaded(**tiny_batch()).logits is None
+    assert not [k for k in loaded.__dict__ if k.startswith("_flce") or k == "forward"]
+    assert loaded(**tiny_batch()).logits is not None
 
 
 def _prepared(model, accelerator):
@@ -195,3 +299,19 @@ def test_accelerate_class_patched_after_prepare_warns(accelerate_state):
         assert early(**tiny_batch()).logits is not None
     finally:
         flce.remove_flce_patch(transformers.Olmo2ForCausalLM)
+
+
+def test_trl_fused_head_calls_go_to_the_inner_forward_untouched():
+    model = tiny_model("llama")
+    seen = []
+
+    def inner(*args, **kwargs):  # stands in for the forward TRL's add_fused_lm_head installs
+        seen.append((args, kwargs))
+        return "inner's output"
+
+    model.forward = inner
+    inputs = tiny_batch()
+    with patched(model):
+        out = model(**inputs, fused_lm_head=True, temperature=0.7)
+    assert out == "inner's output" and len(seen) == 1
+    assert seen[0][1]["labels"] is inputs["labels"] and seen[0][1]["temperature"] == 0.7

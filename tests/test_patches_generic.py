@@ -1,6 +1,6 @@
-"""Every supported family: patched loss and gradients equal the unpatched model's (fp32 tight, bf16
-loose), and the call semantics (logits, tuple output, logits_to_keep, shift_labels, num_items_in_batch,
-softcap from the config) follow transformers."""
+"""A set of tiny models (hf_tiny.CONFIGS): patched loss and gradients equal the unpatched model's (fp32
+tight, bf16 loose), and the call semantics (logits, tuple output, logits_to_keep, shift_labels,
+num_items_in_batch, the model's own softcap) follow transformers. Every other causal LM: test_patches_zoo.py."""
 
 import pytest
 import torch
@@ -9,15 +9,9 @@ from hf_tiny import CONFIGS, assert_patched_matches, patched, tiny_batch, tiny_m
 from reference import assert_close
 
 import flce
-from flce.patches import FAMILIES
 
 FAMILY_NAMES = list(CONFIGS)
 HEAD_SCALE = 40.0  # logits of a few units: softcaps bite, and the loss is far from log(V)
-
-
-def test_every_family_has_a_tiny_config():
-    built = {type(tiny_model(f)).__name__ for f in FAMILY_NAMES}
-    assert built == set(FAMILIES)
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -42,6 +36,12 @@ def test_softcap_comes_from_config(family):
     assert abs(uncapped.item() - want.loss.item()) > 1e-2
 
 
+def test_softcap_option_on_a_model_that_caps_its_logits_is_refused():
+    model = tiny_model("gemma2")
+    with patched(model, softcap=10.0), pytest.raises(ValueError, match="already caps at 2 .*leave the option out"):
+        model(**tiny_batch())
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_tied_and_untied_heads(tie):
     model = tiny_model("qwen3", head_scale=HEAD_SCALE, tie_word_embeddings=tie)
@@ -61,7 +61,9 @@ def test_logits_to_keep(keep):
 
 def test_labels_not_matching_kept_positions_raise():
     model = tiny_model("llama")
-    with patched(model), pytest.raises(ValueError, match="shifted labels"):
+    with pytest.raises(ValueError, match="batch_size"):  # unpatched: F.cross_entropy's own check
+        model(**tiny_batch(), logits_to_keep=3)
+    with patched(model), pytest.raises(ValueError, match="do not match"):
         model(**tiny_batch(), logits_to_keep=3)
 
 

@@ -1,8 +1,7 @@
-"""Llama, first-class: gradient checkpointing, tied embeddings, a PEFT/LoRA head, and a short AdamW run
-whose per-step losses match the unpatched model's."""
+"""Llama, first-class: gradient checkpointing, tied embeddings, and a short AdamW run whose per-step
+losses match the unpatched model's (PEFT heads: test_patches_peft.py)."""
 
 import pytest
-import torch
 import transformers
 from hf_tiny import assert_patched_matches, converges_alike, loss_and_grads, patched, tiny_batch, tiny_model
 from reference import assert_close
@@ -34,37 +33,6 @@ def test_class_patch_with_tied_embeddings_keeps_one_parameter():
     assert_close(got.loss, want.loss, 2e-6, "loss")
     for name, grad in want_grads.items():
         assert_close(got_grads[name], grad, 2e-5, name)
-
-
-def _lora(model, dropout=0.0):
-    peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=dropout,
-                             init_lora_weights=False)  # random A and B: the adapter changes the loss
-    return peft.get_peft_model(model, config)
-
-
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, (2e-6, 2e-5)), (torch.bfloat16, (1e-2, 6e-2))])
-def test_peft_lora_head(dtype, tol):
-    peft_model = _lora(tiny_model("llama", dtype=dtype, head_scale=20.0))
-    head = peft_model.base_model.model.lm_head
-    assert type(head).__module__.startswith("peft") and head.lora_B["default"].weight.abs().sum() > 0
-    want, got = assert_patched_matches(peft_model, tiny_batch(), loss_tol=tol[0], grad_tol=tol[1])
-    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
-    assert any("lm_head.lora_B" in n for n in trainable)
-    with peft_model.disable_adapter(), patched(peft_model):  # base head only
-        plain = peft_model(**tiny_batch())
-    assert plain.logits is None
-
-
-def test_peft_lora_head_with_dropout_runs_unfused_and_warns():
-    peft_model = _lora(tiny_model("llama"), dropout=0.1)
-    inputs = tiny_batch()
-    torch.manual_seed(1)
-    want = peft_model(**inputs).loss
-    with patched(peft_model), pytest.warns(UserWarning, match="dropout"):
-        torch.manual_seed(1)
-        got = peft_model(**inputs)
-    assert got.logits is not None and torch.equal(got.loss, want)
 
 
 def test_adamw_run_matches_unpatched():

@@ -1,4 +1,4 @@
-"""Hugging Face patches: one line makes a transformers causal LM train with the fused loss.
+"""Hugging Face patches: one line makes a transformers language model train with the fused loss.
 
     import flce, transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(...)
@@ -10,14 +10,15 @@ In training, a call with labels returns the unpatched model's loss and ``logits=
 forward. ``materialize_logits=True`` turns the fusion off, ``False`` fuses in eval mode too.
 ``flce.remove_flce_patch`` undoes it.
 
-Layout: ``apply`` (class/instance patching) -> ``forward`` (the generic patched forward: the model's own
-forward with its ``lm_head`` call made the fused loss) -> ``head`` (the loss inside that call);
-``families`` lists the supported classes and their differences (softcap, router aux loss), ``moe``
-selects flce's experts backend for Mixtral, ``settings`` validates the options.
+One path for every model: ``apply`` (class/instance patching) -> ``forward`` (the model's own forward,
+with labels, its output embedding made a recorder that returns a logits ``promise``) -> ``promise``
+(records what the model does to the logits; its cross_entropy is the fused loss) -> ``head`` (that loss,
+inside a call of the real output embedding; nn.Linear and PEFT LoRA/DoRA heads). ``transform`` folds the
+logit transforms (scale, softcap, bias, vocabulary slice) into flce's options; ``moe`` selects flce's
+experts backend for Mixtral; ``settings`` validates the options.
 """
 
 from .apply import apply_flce_patch, remove_flce_patch
-from .families import FAMILIES, Family, family_of
 from .settings import PatchSettings
 
-__all__ = ["FAMILIES", "Family", "PatchSettings", "apply_flce_patch", "family_of", "remove_flce_patch"]
+__all__ = ["PatchSettings", "apply_flce_patch", "remove_flce_patch"]

@@ -1,10 +1,11 @@
 """``apply_flce_patch`` / ``remove_flce_patch`` on a model class or on one model.
 
-A class patch replaces ``cls.forward``; an instance patch sets ``model.forward``. Either wrapper keeps
-the original's signature (``functools.wraps``: Trainer inspects it) and reads its settings at call time,
-so re-applying only updates the settings, and a wrapper that someone else has wrapped in turn
-(accelerate's mixed-precision forward) becomes a pass-through when removed. An instance patch takes
-precedence over a class patch of its class.
+A class patch replaces ``cls.forward``; an instance patch sets ``model.forward`` to an
+:class:`InstanceForward`. Either keeps the original's signature (Trainer inspects it) and reads its
+settings at call time, so re-applying only updates the settings, and a wrapper that someone else has
+wrapped in turn (accelerate's mixed-precision forward) becomes a pass-through when removed. An instance
+patch takes precedence over a class patch of its class. A patched instance saved whole (torch.save)
+comes back patched: its forward is a plain picklable object holding the model and the settings.
 """
 
 from __future__ import annotations
@@ -13,42 +14,41 @@ import functools
 import gc
 import inspect
 import warnings
-from types import MethodType
 from typing import TypeVar
 
 from torch import nn
 
-from .families import family_of
-from .forward import causal_lm_forward
+from .forward import NO_LABELS, causal_lm_forward, static_refusal, takes_labels
 from .moe import restore_experts, select_experts, switched_models
 from .settings import PatchSettings, make_settings
 from .trl import route_trl_to_flce
 
 T = TypeVar("T")
 
-_SETTINGS = "_flce_patch_settings"  # on a patched instance: its PatchSettings
-_INNER = "_flce_patch_inner_forward"  # on a patched instance: the forward it wraps (None: the class's)
+_FORWARD = "_flce_patch_forward"  # on a patched instance: its InstanceForward (also when wrapped by others)
 _CLASS_SETTINGS: dict[type, PatchSettings] = {}
 _CLASS_SAVED: dict[type, object] = {}  # the class's own forward before patching (or _MISSING)
 _MISSING = object()
 
 
 def apply_flce_patch(model_or_class: T, **options) -> T:
-    """Make a transformers causal LM compute its training loss with flce, without logits.
+    """Make a transformers language model compute its training loss with flce, without logits.
 
     Args:
         model_or_class: a model (patches that instance; a PEFT or DDP/FSDP/DeepSpeed wrapper is
             looked through) or a class such as ``transformers.LlamaForCausalLM`` (patches every
-            instance, also ones built later). Supported: see ``flce.patches.FAMILIES``; anything
-            else raises ValueError naming the class, and nothing is patched.
+            instance, also ones built later). Any causal LM or vision-language model whose logits are
+            its output embedding's linear map of the hidden states, transformed by scalings, a bias, a
+            softcap or a vocabulary slice on the way to ``cross_entropy``; what cannot be fused raises a
+            ValueError that says why (here, or at the first training call when only the forward shows it).
         **options: loss options for :func:`flce.linear_cross_entropy` (``z_loss``, ``label_smoothing``,
-            ``softcap`` (default: the config's ``final_logit_softcapping`` where the model has one),
-            ``temperature``, ``weight``, ``chunk_size``, ``accum_dtype``, ``backend``,
-            ``validate_target``, ``low_memory``) and patch options: ``materialize_logits`` (None: fuse in training and
-            return logits in eval mode; False: fuse whenever labels are given; True: never fuse) and
+            ``softcap`` and ``temperature`` (applied on top of the model's own logit transform),
+            ``weight``, ``chunk_size``, ``accum_dtype``, ``backend``, ``validate_target``,
+            ``low_memory``) and patch options: ``materialize_logits`` (None: fuse in training and return
+            logits in eval mode; False: fuse whenever labels are given; True: never fuse) and
             ``use_flce_experts`` (Mixtral: select the "flce" experts backend; default True).
 
-    A call with labels in training returns ``loss`` (equal to the unpatched loss: same label shift,
+    A call with labels in training returns the unpatched model's ``loss`` (its own label shift,
     ``shift_labels``, ignore_index, ``num_items_in_batch``, ``logits_to_keep``, router aux loss) and
     ``logits=None``; every other call is the unpatched forward. Patch before ``Trainer.train`` /
     ``accelerator.prepare``; an instance patched after ``prepare`` works too, a class patched after
@@ -56,10 +56,13 @@ def apply_flce_patch(model_or_class: T, **options) -> T:
     options. Returns what it was given.
     """
     target = _unwrap(model_or_class)
-    cls = target if isinstance(target, type) else type(target)
-    settings = make_settings(family_of(cls), options)
+    settings = make_settings(options)
+    reason = _class_refusal(target) if isinstance(target, type) else static_refusal(target)
+    if reason is not None:  # what can be known before a call: raise now, patch nothing
+        name = target.__qualname__ if isinstance(target, type) else type(target).__name__
+        raise ValueError(f"flce cannot fuse {name}: {reason}")
     if isinstance(target, type):
-        _patch_class(cls, settings)
+        _patch_class(target, settings)
     else:
         _patch_instance(target, settings)
     route_trl_to_flce()  # TRL's fused LM head (trainers built before or after) on flce's kernels
@@ -88,7 +91,7 @@ def _unpatch_class(cls: type) -> None:
     if _CLASS_SETTINGS.pop(cls, None) is None:
         return
     for model in switched_models(cls):
-        if _SETTINGS not in model.__dict__:
+        if not _instance_patched(model):
             restore_experts(model)
     if getattr(cls.__dict__.get("forward"), "__flce_patch__", None) == "class":
         saved = _CLASS_SAVED.pop(cls)
@@ -102,7 +105,7 @@ def _class_forward(cls: type, func):
     @functools.wraps(func)
     def forward(self, *args, **kwargs):
         settings = _CLASS_SETTINGS.get(cls)
-        if settings is None or _SETTINGS in self.__dict__:  # removed, or an instance patch governs
+        if settings is None or _instance_patched(self):  # removed, or an instance patch governs
             return func(self, *args, **kwargs)
         select_experts(self, settings)
         return causal_lm_forward(self, functools.partial(func, self), settings, args, kwargs)
@@ -111,38 +114,66 @@ def _class_forward(cls: type, func):
     return forward
 
 
+class InstanceForward:
+    """``model.forward`` of a patched instance: the fused forward around ``inner`` (None: the class's).
+
+    settings None makes it a pass-through (removed while someone else's wrapper still calls it).
+    """
+
+    __flce_patch__ = "instance"
+
+    def __init__(self, model: nn.Module, inner, settings: PatchSettings | None) -> None:
+        self.model, self.inner, self.settings = model, inner, settings
+
+    def __call__(self, *args, **kwargs):
+        inner = self.inner if self.inner is not None else functools.partial(type(self.model).forward, self.model)
+        if self.settings is None:
+            return inner(*args, **kwargs)
+        return causal_lm_forward(self.model, inner, self.settings, args, kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        inner = self.inner if self.inner is not None else functools.partial(type(self.model).forward, self.model)
+        return inspect.signature(inner)
+
+
+def _instance_patched(model: nn.Module) -> bool:
+    forward = model.__dict__.get(_FORWARD)
+    return forward is not None and forward.settings is not None
+
+
 def _patch_instance(model: nn.Module, settings: PatchSettings) -> None:
-    if _INNER not in model.__dict__:  # our wrapper is not in this model's forward chain yet
-        model.__dict__[_INNER] = model.__dict__.get("forward")
-        model.forward = MethodType(_instance_forward(type(model)), model)
-    model.__dict__[_SETTINGS] = settings
+    forward = model.__dict__.get(_FORWARD)
+    if forward is None or forward.model is not model:  # not in this model's forward chain yet
+        forward = InstanceForward(model, model.__dict__.get("forward"), settings)
+        model.__dict__[_FORWARD] = forward
+        model.forward = forward
+    forward.settings = settings
     select_experts(model, settings)
 
 
 def _unpatch_instance(model: nn.Module) -> None:
-    if model.__dict__.pop(_SETTINGS, None) is None:
+    restore_experts(model)  # also on a model saved whole while its class was patched
+    forward = model.__dict__.pop(_FORWARD, None)
+    if forward is None:
         return
-    restore_experts(model)
-    current = model.__dict__.get("forward")
-    if getattr(getattr(current, "__func__", None), "__flce_patch__", None) == "instance":  # still outermost
-        inner = model.__dict__.pop(_INNER)
-        if inner is None:
+    forward.settings = None
+    if model.__dict__.get("forward") is forward:  # still outermost
+        if forward.inner is None:
             del model.forward
         else:
-            model.forward = inner
+            model.forward = forward.inner
 
 
-def _instance_forward(cls: type):
-    @functools.wraps(cls.forward)
-    def forward(self, *args, **kwargs):
-        inner = self.__dict__[_INNER] or functools.partial(type(self).forward, self)
-        settings = self.__dict__.get(_SETTINGS)
-        if settings is None:
-            return inner(*args, **kwargs)
-        return causal_lm_forward(self, inner, settings, args, kwargs)
+def _class_refusal(cls: type) -> str | None:
+    from transformers import GenerationMixin, PreTrainedModel
 
-    forward.__flce_patch__ = "instance"
-    return forward
+    if not issubclass(cls, PreTrainedModel):
+        return "it is not a transformers model class"
+    if not issubclass(cls, GenerationMixin):
+        return ("it is not a language model that generates text (no GenerationMixin), so no output embedding "
+                "feeds a language-modeling loss")
+    return None if takes_labels(cls) else NO_LABELS
 
 
 def _unwrap(obj):
@@ -184,7 +215,7 @@ def _warn_if_prepared_before(cls: type) -> None:
 
 def _prepared_unpatched(cls: type) -> list:
     return [o for o in gc.get_objects() if issubclass(type(o), cls) and "_original_forward" in o.__dict__
-            and _INNER not in o.__dict__ and not _routes_through_class_patch(o.__dict__.get("forward"))]
+            and _FORWARD not in o.__dict__ and not _routes_through_class_patch(o.__dict__.get("forward"))]
 
 
 def _routes_through_class_patch(forward) -> bool:

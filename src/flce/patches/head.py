@@ -1,132 +1,106 @@
-"""The fused loss, computed inside the model's own call of its head module.
+"""The fused loss, computed inside a call of the model's own output-embedding module.
 
-The model's forward still calls ``self.lm_head(hidden_states)``; for that one call the head's forward is
-swapped for the fused loss. So every hook on the head fires as usual (FSDP/FSDP2 unshard, DeepSpeed
-ZeRO-3 gather, accelerate offload), the weight read is the gathered one, and it is never copied or
-replaced: the parameter itself goes into :func:`flce.linear_cross_entropy`.
+The loss is the forward of one call of the head module: for that call its forward is swapped for
+:func:`flce.linear_cross_entropy`, so every hook on the head fires as usual (FSDP/FSDP2 unshard, DeepSpeed
+ZeRO-3 gather, accelerate offload), the weight read is the gathered one, and the parameters themselves go
+into the loss. What the head computes must be a linear map of its input that can be read off the module:
+``x @ W.T + b`` for ``nn.Linear``; for a PEFT LoRA head (dropout and DoRA included) the same map written on
+an augmented input, ``[x | s * dropout(x) @ A.T | ...] @ [W | B | ...].T + b``, whose autograd graph reaches
+W, A, B and DoRA's magnitude.
 """
 
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..api import linear_cross_entropy
+from .transform import LogitTransform, Unfusable
 
-# Wrappers whose forward ends in a call of the wrapped module (FSDP1, activation checkpointing): the
-# swap goes on the wrapped module so the wrapper's own unshard/recompute logic still runs.
+# Wrappers whose forward ends in a call of the wrapped module (FSDP1, activation checkpointing): the swap
+# goes on the wrapped module so the wrapper's own unshard/recompute logic still runs.
 _WRAPPED_ATTRS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
+@dataclass
+class LinearParts:
+    """``input @ weight.T + bias`` equals the head's output. input: (N, K); weight: (V, K); bias: (V,) or None."""
+
+    input: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
 def innermost(head: nn.Module) -> nn.Module:
-    """The module whose forward computes the head's logits, below FSDP1/checkpoint wrappers."""
+    """The module whose forward computes the head's logits, below wrappers that call it."""
     while True:
         inner = next((getattr(head, a) for a in _WRAPPED_ATTRS if isinstance(getattr(head, a, None), nn.Module)),
-                     None)
+                     None) or _modules_to_save_target(head)
         if inner is None:
             return head
         head = inner
 
 
-def unfusable_reason(head: nn.Module) -> str | None:
-    """Why the head's logits are not ``x @ W.T + b`` for a weight we can read, or None if they are."""
-    if _is_plain_linear(head):
+def unreadable_reason(head: nn.Module) -> str | None:
+    """Why the linear map of ``head`` cannot be read off the module (None: it can)."""
+    module = innermost(head)
+    if _is_plain_linear(module):
         return None
-    lora = sys.modules.get("peft.tuners.lora")  # a LoRA head exists only if peft was imported
-    if lora is None or not isinstance(head, lora.Linear):
-        return f"its lm_head is a {type(head).__name__}, neither nn.Linear nor a PEFT LoRA Linear"
-    if not _is_plain_linear(head.base_layer):
-        return f"its LoRA lm_head wraps a {type(head.base_layer).__name__}, not an nn.Linear"
-    if head.disable_adapters and head.merged:
-        return "its LoRA lm_head has merged adapters that are disabled"
-    for name in _active_adapters(head):
-        if name in getattr(head, "lora_variant", {}) or getattr(head, "use_dora", {}).get(name):
-            return f"its LoRA lm_head adapter {name!r} is a variant (DoRA, ...), not a plain low-rank update"
-        dropout = head.lora_dropout[name]
-        if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
-            return f"its LoRA lm_head adapter {name!r} applies dropout (p={dropout.p}) in training"
+    lora = _peft_lora()
+    if lora is None or not isinstance(module, lora.Linear):
+        return (f"its output embedding is a {type(module).__qualname__}, not an nn.Linear or a PEFT LoRA Linear "
+                "whose weight flce can read")
+    if not _is_plain_linear(module.base_layer):
+        return f"its LoRA output embedding wraps a {type(module.base_layer).__qualname__}, not an nn.Linear"
+    for name in _active_adapters(module):
+        variant = getattr(module, "lora_variant", {}).get(name)
+        if variant is not None and type(variant).__name__ != "DoraLinearVariant":
+            return f"its LoRA output embedding's adapter {name!r} is a {type(variant).__name__}"
     return None
 
 
-def head_weights(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight (V, H), bias (V,) or None) of a fusable head, read when its hooks have run.
+def linear_parts(module: nn.Module, x: torch.Tensor) -> LinearParts:
+    """The head's linear map on rows x (N, H), read when its hooks have run."""
+    reason = unreadable_reason(module)
+    if reason is not None:
+        raise Unfusable(reason)
+    if _is_plain_linear(module):
+        return LinearParts(x, module.weight, module.bias)
+    return _lora_parts(module, x)
 
-    A LoRA head's weight is ``W + sum of its active adapters' B @ A * scaling``: one (V, H) temporary
-    whose autograd graph carries the gradients to the adapters.
+
+def head_loss(head: nn.Module, rows: torch.Tensor, target: torch.Tensor, transform: LogitTransform,
+              options: dict) -> torch.Tensor:
+    """Cross-entropy of ``transform(head(rows))`` against target (N,), computed by one call of ``head``.
+
+    options: keyword options for flce.linear_cross_entropy (reduction, ignore_index, ...).
     """
-    if _is_plain_linear(head):
-        return head.weight, head.bias
-    base = head.base_layer
-    weight = base.weight
-    if not (head.disable_adapters or head.merged):
-        for name in _active_adapters(head):
-            weight = weight + head.get_delta_weight(name).to(weight.dtype)
-    return weight, base.bias
+    module = innermost(head)
 
+    def fused_forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        parts = linear_parts(module, x)
+        weight, bias = parts.weight, parts.bias
+        if transform.vocab is not None:
+            start, stop = transform.vocab
+            weight = weight[start:stop]
+            bias = None if bias is None else bias[start:stop]
+        if transform.bias is not None:
+            extra = transform.bias.to(weight.dtype)
+            bias = extra if bias is None else bias + extra
+        return linear_cross_entropy(parts.input, weight, target, linear_bias=bias, **transform.loss_options(),
+                                    **options)
 
-@contextmanager
-def head_computes_loss(head: nn.Module, labels: torch.Tensor, loss_kwargs: dict,
-                       options: dict) -> Iterator[list[torch.Tensor]]:
-    """While active, the next call of ``head`` returns the fused loss instead of logits.
-
-    Yields a list that receives that loss. Labels are shifted as ``ForCausalLMLoss`` does (or
-    ``loss_kwargs["shift_labels"]`` is used); ``num_items_in_batch`` and ``ignore_index`` in
-    ``loss_kwargs`` apply as there. ``options`` go to :func:`flce.linear_cross_entropy`.
-    """
-    target_module = innermost(head)
-    result: list[torch.Tensor] = []
-
-    def fused_forward(hidden_states: torch.Tensor, *_args, **_kwargs) -> torch.Tensor:
-        if result:
-            raise RuntimeError("flce: the model called its lm_head twice in one forward; the fused loss "
-                               "supports exactly one call")
-        weight, bias = head_weights(target_module)
-        result.append(shifted_loss(hidden_states, weight, bias, labels, loss_kwargs, options))
-        return result[0]  # the head's output is the loss, so hooks on outputs see a tensor that needs grad
-
-    with _forward_replaced(target_module, fused_forward):
-        yield result
-    if not result:
-        raise RuntimeError("flce: the model's forward did not call its lm_head; it does not follow the "
-                           "standard transformers causal-LM layout")
-
-
-def shifted_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                 loss_kwargs: dict, options: dict) -> torch.Tensor:
-    """``ForCausalLMLoss(hidden @ weight.T + bias, labels, ...)`` without the logits.
-
-    hidden: (..., H) as the head received it; labels: the model's labels (or shift_labels), whose
-    shifted form has as many entries as hidden has rows.
-    """
-    ignore_index = loss_kwargs.get("ignore_index", -100)
-    target = loss_kwargs.get("shift_labels")
-    if target is None:
-        target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    rows = hidden.reshape(-1, hidden.shape[-1])
-    target = target.reshape(-1).to(rows.device)
-    if target.numel() != rows.shape[0]:
-        raise ValueError(f"flce: {target.numel()} shifted labels for {rows.shape[0]} hidden states (with "
-                         "logits_to_keep, pass labels for the kept positions only)")
-    return linear_cross_entropy(rows, weight, target, linear_bias=bias, ignore_index=ignore_index,
-                                num_items_in_batch=loss_kwargs.get("num_items_in_batch"), **options)
-
-
-@contextmanager
-def _forward_replaced(module: nn.Module, fn) -> Iterator[None]:
     # accelerate's hooks (offload, device maps) call module._old_forward between pre/post hooks.
     attr = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
-    missing = object()
-    saved = module.__dict__.get(attr, missing)
-    setattr(module, attr, fn)
+    saved = module.__dict__.get(attr)
+    setattr(module, attr, fused_forward)
     try:
-        yield
+        return head(rows)
     finally:
-        if saved is missing:
+        if saved is None:
             delattr(module, attr)
         else:
             setattr(module, attr, saved)
@@ -136,5 +110,78 @@ def _is_plain_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
+def _peft_lora():
+    return sys.modules.get("peft.tuners.lora")  # a LoRA head exists only if peft was imported
+
+
+def _modules_to_save_target(head: nn.Module) -> nn.Module | None:
+    """The module a PEFT ModulesToSaveWrapper's forward calls (as peft decides it), or None."""
+    other = sys.modules.get("peft.utils.other")
+    if other is None or not isinstance(head, other.ModulesToSaveWrapper):
+        return None
+    active = head.active_adapters
+    if head.disable_adapters or not active or any(a not in head._adapters for a in active):
+        return head.original_module
+    return head.modules_to_save[active[0]]
+
+
 def _active_adapters(head: nn.Module) -> list[str]:
     return [name for name in head.active_adapters if name in head.lora_A]
+
+
+def _lora_parts(head: nn.Module, x: torch.Tensor) -> LinearParts:
+    """peft's lora.Linear forward (peft 0.21), as one linear map on an augmented input.
+
+    Vanilla adapter: result += s * B(A(dropout(x))). DoRA, with m = magnitude / ||W + s B A||_rows
+    (detached norm): without dropout result = m * (result - b) + b + m * s * B(A(x)); with dropout
+    result += (m - 1) * dropout(x) @ W.T + m * s * B(A(dropout(x))).
+    """
+    base = head.base_layer
+    if head.disable_adapters and head.merged:
+        head.unmerge()  # as peft's forward does
+    blocks = [(x, base.weight)]  # (features (N, k), weight (V, k)) pairs
+    extra = None  # bias terms beyond the base layer's, (V,)
+    if not (head.disable_adapters or head.merged):
+        for name in _active_adapters(head):
+            blocks, extra = _adapter_blocks(head, name, x, blocks, extra)
+    dtype, wdtype = x.dtype, base.weight.dtype
+    bias = base.bias if extra is None else (extra if base.bias is None else base.bias + extra).to(wdtype)
+    if len(blocks) == 1:
+        return LinearParts(x, base.weight, bias)
+    features = torch.cat([f.to(dtype) for f, _ in blocks], dim=-1)
+    weight = torch.cat([w.to(wdtype) for _, w in blocks], dim=1)
+    return LinearParts(features, weight, bias)
+
+
+def _adapter_blocks(head, name, x, blocks, extra):
+    lora_a, lora_b = head.lora_A[name], head.lora_B[name]
+    dropout, scaling = head.lora_dropout[name], head.scaling[name]
+    x = head._cast_input_dtype(x, lora_a.weight.dtype)
+    b_bias = None if lora_b.bias is None else scaling * lora_b.bias
+    if name not in getattr(head, "lora_variant", {}):
+        blocks = blocks + [(lora_a(dropout(x)) * scaling, lora_b.weight)]
+        return blocks, _plus(extra, b_bias)
+    magnitude = _dora_scale(head, name, x)[:, None]
+    if isinstance(dropout, nn.Identity) or not head.training:
+        blocks = [(f, w * magnitude) for f, w in blocks] + [(lora_a(x) * scaling, lora_b.weight * magnitude)]
+        extra = None if extra is None else extra * magnitude[:, 0]
+    else:
+        dropped = dropout(x)
+        weight = head.get_base_layer().weight.to(x.dtype)
+        blocks = blocks + [(dropped, weight * (magnitude - 1)), (lora_a(dropped) * scaling, lora_b.weight * magnitude)]
+    return blocks, _plus(extra, None if b_bias is None else b_bias * magnitude[:, 0])
+
+
+def _dora_scale(head, name, x) -> torch.Tensor:
+    """DoRA's per-output factor m (V,), computed by peft's own DoraLinearLayer methods."""
+    layer = head.lora_magnitude_vector[name]
+    lora_weight = layer.get_lora_weight(lora_A=head.lora_A[name], lora_B=head.lora_B[name],
+                                        adapter_name=name).to(x.dtype)
+    weight = head.get_base_layer().weight.to(x.dtype)
+    norm = layer.get_weight_norm(weight=weight, lora_weight=lora_weight.detach(), scaling=head.scaling[name],
+                                 adapter_name=name).detach()
+    return layer.weight / norm
+
+
+def _plus(a, b):
+    return b if a is None else a if b is None else a + b

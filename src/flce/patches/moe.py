@@ -1,6 +1,8 @@
 """Selecting flce's experts backend ("flce", registered by flce.experts) on a patched MoE model.
 
-The previous implementation is remembered on the instance and put back by ``restore_experts``.
+Only models whose experts it computes are switched: the classes in ``EXPERTS_BACKEND_CLASSES`` (and
+subclasses). The previous implementation is remembered on the instance and put back by
+``restore_experts``.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ from torch import nn
 from ..experts import BACKEND_NAME
 from .settings import PatchSettings
 
-_PREVIOUS = "_flce_previous_experts_implementation"
+# transformers classes whose experts flce.experts computes (gate_up_proj (E, 2I, H), SiLU-gated).
+EXPERTS_BACKEND_CLASSES = frozenset({"MixtralForCausalLM"})
+
+_PREVIOUS = "_flce_patch_previous_experts"
 _MISSING = object()
 _SWITCHED: weakref.WeakSet = weakref.WeakSet()  # models switched here, for removing a class patch
 
 
 def select_experts(model: nn.Module, settings: PatchSettings) -> None:
-    """Switch ``model`` to the "flce" experts backend if its family has one and the settings want it."""
-    if not (settings.family.experts_backend and settings.use_flce_experts):
+    """Switch ``model`` to the "flce" experts backend if it computes its experts and the settings want it."""
+    if not (settings.use_flce_experts and has_experts_backend(type(model))):
         restore_experts(model)
         return
     if _PREVIOUS in model.__dict__:
@@ -34,6 +39,11 @@ def select_experts(model: nn.Module, settings: PatchSettings) -> None:
     model.__dict__[_PREVIOUS] = _current(model)
     model.set_experts_implementation(BACKEND_NAME)
     _SWITCHED.add(model)
+
+
+def has_experts_backend(cls: type) -> bool:
+    return any(base.__name__ in EXPERTS_BACKEND_CLASSES and base.__module__.startswith("transformers.models.")
+               for base in cls.__mro__)
 
 
 def restore_experts(model: nn.Module) -> None:

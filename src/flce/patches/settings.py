@@ -4,30 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch import nn
-
 from ..kernels import BACKENDS
 from ..options import LossOptions
-from .families import Family
 
 # Passed through to flce.linear_cross_entropy.
 LOSS_OPTIONS = frozenset({"label_smoothing", "z_loss", "softcap", "temperature", "weight", "accum_dtype",
                           "chunk_size", "backend", "validate_target", "low_memory"})
-# Decided by the model call itself (labels, Trainer's num_items_in_batch), as in ForCausalLMLoss.
+# Decided by the model's own loss code (its cross_entropy call, Trainer's num_items_in_batch).
 FIXED_BY_CALL = frozenset({"reduction", "ignore_index", "num_items_in_batch", "linear_bias", "return_stats"})
 
 
 @dataclass(frozen=True)
 class PatchSettings:
-    """family: the model's family. loss_options: keyword options for flce.linear_cross_entropy.
+    """loss_options: keyword options for flce.linear_cross_entropy (on top of what the model passes to its
+    cross_entropy and the transform it applies to its logits).
 
     materialize_logits: None (default) fuses in training and computes logits in eval mode (what
     ``Trainer.evaluate`` and metrics need); False fuses whenever labels are given (eval too, logits then
     None); True never fuses (the unpatched forward, logits always there).
-    use_flce_experts: MoE families with an "flce" experts backend select it (flce.experts).
+    use_flce_experts: models whose experts the "flce" experts backend computes select it (flce.experts).
     """
 
-    family: Family
     loss_options: dict = field(default_factory=dict)
     materialize_logits: bool | None = None
     use_flce_experts: bool = True
@@ -36,16 +33,8 @@ class PatchSettings:
         """Whether a call with labels computes the fused loss (and no logits)."""
         return training if self.materialize_logits is None else not self.materialize_logits
 
-    def loss_options_for(self, model: nn.Module) -> dict:
-        """The loss options with the model's own softcap, unless the caller set one."""
-        attr = self.family.softcap_attr
-        cap = getattr(model.config, attr, None) if attr else None
-        if cap is None or "softcap" in self.loss_options:
-            return self.loss_options
-        return {**self.loss_options, "softcap": float(cap)}
 
-
-def make_settings(family: Family, options: dict) -> PatchSettings:
+def make_settings(options: dict) -> PatchSettings:
     """Split and check ``apply_flce_patch``'s keyword options; raise before anything is patched."""
     options = dict(options)
     materialize_logits = options.pop("materialize_logits", None)
@@ -56,8 +45,8 @@ def make_settings(family: Family, options: dict) -> PatchSettings:
         raise TypeError(f"use_flce_experts must be a bool, got {use_flce_experts!r}")
     fixed = sorted(FIXED_BY_CALL & options.keys())
     if fixed:
-        raise ValueError(f"apply_flce_patch: {', '.join(fixed)} cannot be set: the model call decides them "
-                         "as transformers' ForCausalLMLoss does (ignore_index=-100, mean or sum / "
+        raise ValueError(f"apply_flce_patch: {', '.join(fixed)} cannot be set: the model's own loss code "
+                         "decides them (e.g. transformers' ForCausalLMLoss: ignore_index=-100, mean, or sum / "
                          "num_items_in_batch)")
     unknown = sorted(options.keys() - LOSS_OPTIONS)
     if unknown:
@@ -67,4 +56,4 @@ def make_settings(family: Family, options: dict) -> PatchSettings:
                 softcap=options.get("softcap"), temperature=options.get("temperature", 1.0))
     if options.get("backend", "auto") not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {options['backend']!r}")
-    return PatchSettings(family, options, materialize_logits, use_flce_experts)
+    return PatchSettings(options, materialize_logits, use_flce_experts)

@@ -1,0 +1,55 @@
+"""Every entry of the installed transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES (hf_zoo.py), built tiny:
+patched equals unpatched (loss, every gradient, num_items_in_batch, the router aux loss, eval logits) or
+the patch refuses it with a ValueError that says why. The verdicts must match tests/zoo_verdicts.json, from
+which docs/supported_models.md is generated (``python tests/hf_zoo.py`` rewrites both); a transformers
+release that adds or changes a model fails here until they are regenerated."""
+
+import pytest
+import torch
+from conftest import BACKENDS
+from hf_zoo import MODELS_FILE, ZOO, recorded_verdicts, render_models, zoo_verdict
+
+RECORDED = recorded_verdicts()
+REGENERATE = "regenerate tests/zoo_verdicts.json and docs/supported_models.md with `python tests/hf_zoo.py`"
+TRITON_SAMPLE = ["llama", "gemma2", "cohere", "granite", "bert", "inkling2_text"]  # plain, softcap, scale,
+# division, a bias and a transformed head input, a vocabulary slice after a softcap
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: thread hand-offs cost more than the work (about 20x on two busy cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("model_type", sorted(ZOO))
+def test_zoo_entry_fuses_exactly_or_is_refused(model_type):
+    verdict = zoo_verdict(model_type)
+    recorded = RECORDED.get(model_type)
+    assert recorded is not None, f"{model_type} is new in this transformers: {REGENERATE}"
+    assert (verdict.kind, verdict.reason) == (recorded["verdict"], recorded["reason"]), REGENERATE
+    if verdict.kind == "refused":
+        assert verdict.reason.startswith(f"flce cannot fuse {ZOO[model_type]}: "), verdict.reason
+    if verdict.kind == "cannot_run":
+        pytest.skip(f"the unpatched {ZOO[model_type]} cannot run here: {verdict.reason}")
+
+
+def test_recorded_verdicts_cover_the_installed_zoo_and_enough_fuse():
+    entries = {k: v for k, v in RECORDED.items() if not k.startswith("_")}
+    assert set(entries) == set(ZOO), REGENERATE
+    counts = {kind: sum(v["verdict"] == kind for v in entries.values()) for kind in ("fused", "refused", "cannot_run")}
+    assert sum(counts.values()) == len(ZOO)
+    assert counts["fused"] >= 150, counts
+    assert counts["cannot_run"] <= 5, counts  # each one named, with its reason, in docs/supported_models.md
+
+
+def test_supported_models_file_is_generated_from_the_verdicts():
+    assert MODELS_FILE.read_text() == render_models(RECORDED), REGENERATE
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton here (CUDA, or its interpreter on the CPU)")
+@pytest.mark.parametrize("model_type", TRITON_SAMPLE)
+def test_zoo_sample_with_the_triton_backend(model_type):
+    assert zoo_verdict(model_type, backend="triton").kind == "fused"
