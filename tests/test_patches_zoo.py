@@ -1,15 +1,20 @@
 """Every entry of the installed transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES (hf_zoo.py), built tiny:
 patched equals unpatched (loss, every gradient, num_items_in_batch, the router aux loss, eval logits) or
-the patch refuses it with a ValueError that says why. The verdicts must match tests/zoo_verdicts.json, from
-which docs/supported_models.md is generated (``python tests/hf_zoo.py`` rewrites both); a transformers
-release that adds or changes a model fails here until they are regenerated."""
+the patch refuses it with a ValueError that says why. On the transformers release they were recorded with,
+the verdicts must match tests/zoo_verdicts.json, from which docs/supported_models.md is generated (``python
+tests/hf_zoo.py`` rewrites both), so a model that changes fails here until they are regenerated. On another
+release every installed entry still runs (a new model is a new case): fused exactly, refused clearly, or
+unable to run unpatched."""
 
 import pytest
 import torch
+import transformers
 from conftest import BACKENDS
 from hf_zoo import MODELS_FILE, ZOO, recorded_verdicts, render_models, zoo_verdict
 
 RECORDED = recorded_verdicts()
+RECORDED_ON = RECORDED.get("_transformers")
+SAME_RELEASE = RECORDED_ON == transformers.__version__
 REGENERATE = "regenerate tests/zoo_verdicts.json and docs/supported_models.md with `python tests/hf_zoo.py`"
 TRITON_SAMPLE = ["llama", "gemma2", "cohere", "granite", "bert", "inkling2_text"]  # plain, softcap, scale,
 # division, a bias and a transformed head input, a vocabulary slice after a softcap
@@ -26,10 +31,11 @@ def _one_thread():
 
 @pytest.mark.parametrize("model_type", sorted(ZOO))
 def test_zoo_entry_fuses_exactly_or_is_refused(model_type):
-    verdict = zoo_verdict(model_type)
-    recorded = RECORDED.get(model_type)
-    assert recorded is not None, f"{model_type} is new in this transformers: {REGENERATE}"
-    assert (verdict.kind, verdict.reason) == (recorded["verdict"], recorded["reason"]), REGENERATE
+    verdict = zoo_verdict(model_type)  # AssertionError where a fused result differs from the unpatched one
+    if SAME_RELEASE:
+        recorded = RECORDED.get(model_type)
+        assert recorded is not None, f"{model_type} is new in this transformers: {REGENERATE}"
+        assert (verdict.kind, verdict.reason) == (recorded["verdict"], recorded["reason"]), REGENERATE
     if verdict.kind == "refused":
         assert verdict.reason.startswith(f"flce cannot fuse {ZOO[model_type]}: "), verdict.reason
     if verdict.kind == "cannot_run":
@@ -37,6 +43,9 @@ def test_zoo_entry_fuses_exactly_or_is_refused(model_type):
 
 
 def test_recorded_verdicts_cover_the_installed_zoo_and_enough_fuse():
+    if not SAME_RELEASE:
+        pytest.skip(f"verdicts recorded on transformers {RECORDED_ON}, {transformers.__version__} installed: "
+                    "each entry still runs above; to compare the whole zoo, " + REGENERATE)
     entries = {k: v for k, v in RECORDED.items() if not k.startswith("_")}
     assert set(entries) == set(ZOO), REGENERATE
     counts = {kind: sum(v["verdict"] == kind for v in entries.values()) for kind in ("fused", "refused", "cannot_run")}
