@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from transformers import CONFIG_MAPPING
@@ -280,6 +281,12 @@ class Verdict:
 
 
 HEAD_SCALE = 40.0  # logits of several units: softcaps and logit scales change the loss far beyond the tolerance
+
+
+def installed(model_types: list[str]) -> list:
+    """pytest params of ``model_types``, each skipped with the reason where this transformers lacks it."""
+    return [pytest.param(m, marks=pytest.mark.skipif(m not in ZOO, reason=f"transformers "
+                                                     f"{transformers.__version__} has no {m!r}")) for m in model_types]
 
 
 def zoo_verdict(model_type: str, backend: str = "torch", device: str = "cpu",

@@ -360,12 +360,12 @@ def _unchecked_bad_target_case(rank, world, *, reduction, backend="torch", devic
     loss = vocab_parallel_linear_cross_entropy(x, w_shard, t, shard_sizes=(6, 4) if world == 2 else (10,),
                                                validate_target=False, reduction=reduction, backend=backend)
     loss.sum().backward()
-    loss, x.grad = loss.cpu(), x.grad.cpu()
+    loss, grad = loss.cpu(), x.grad.cpu()
     bad = torch.zeros(6, dtype=torch.bool)
     bad[[1, 4]] = True
     rows_nan = loss.isnan() if reduction == "none" else None
     return {"loss_nan": rows_nan.tolist() if rows_nan is not None else bool(loss.isnan()),
-            "grad_nan_rows": x.grad.isnan().all(1).tolist(), "grad_finite_rows": x.grad[~bad].isfinite().all().item(),
+            "grad_nan_rows": grad.isnan().all(1).tolist(), "grad_finite_rows": grad[~bad].isfinite().all().item(),
             "want": bad.tolist()}
 
 

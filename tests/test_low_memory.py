@@ -173,11 +173,9 @@ def test_module_and_patch_options_pass_it_through(device, blocks):
     ref.backward()
     assert_close(loss, ref, 1e-5, "loss")
     assert_close(w.grad, w64.grad, 1e-5, "grad_weight")
-    from flce.patches.families import family_of
     from flce.patches.settings import make_settings
 
-    transformers = pytest.importorskip("transformers")
-    settings = make_settings(family_of(transformers.LlamaForCausalLM), {"low_memory": True})
+    settings = make_settings({"low_memory": True})
     assert settings.loss_options == {"low_memory": True}
 
 

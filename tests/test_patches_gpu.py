@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 from hf_tiny import assert_patched_matches, assert_same_step, loss_and_grads, patched
-from hf_zoo import zoo_verdict
+from hf_zoo import installed, zoo_verdict
 
 import flce
 
@@ -65,7 +65,7 @@ def test_bf16_mixtral_on_cuda_matches_unpatched():
     assert_patched_matches(model, _cuda_batch(), loss_tol=1e-2, grad_tol=6e-2, use_flce_experts=False)
 
 
-@pytest.mark.parametrize("model_type", ZOO_SAMPLE)
+@pytest.mark.parametrize("model_type", installed(ZOO_SAMPLE))
 def test_zoo_sample_on_cuda(model_type):
     # fp32 on both sides; flce's GEMMs and cuBLAS round differently (no TF32 on either)
     assert zoo_verdict(model_type, backend="auto", device="cuda", tol=(1e-4, 1e-3)).kind == "fused"

@@ -276,7 +276,8 @@ class _TargetCheck:
 
     def start(self) -> None:
         """Queue the copy of the counts (call once the kernel that writes them is queued)."""
-        self.host = torch.empty(self.counts.shape, dtype=self.counts.dtype, pin_memory=self.t.is_cuda)
+        self.host = torch.empty(self.counts.shape, dtype=self.counts.dtype, device="cpu",
+                                pin_memory=self.t.is_cuda)  # on the host whatever the default device
         self.host.copy_(self.counts, non_blocking=True)
         self.event = torch.cuda.Event() if self.t.is_cuda else None
         if self.event is not None:

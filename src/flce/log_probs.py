@@ -275,7 +275,7 @@ class _Speculation:
         if verify:
             self.flag, self.landed = uniform.cpu(), None
             return bool(self.flag)
-        self.flag = torch.empty((), dtype=torch.bool, pin_memory=uniform.is_cuda)
+        self.flag = torch.empty((), dtype=torch.bool, device="cpu", pin_memory=uniform.is_cuda)
         self.flag.copy_(uniform, non_blocking=True)
         self.landed = torch.cuda.Event() if uniform.is_cuda else None
         if self.landed is not None:
