@@ -167,3 +167,18 @@ def test_large_batch_counts_ignored_rows_only_where_it_pays(monkeypatch):
     monkeypatch.setattr(api, "_ignored_share", {dev: 0.0})
     with pytest.raises(ValueError, match=r"outside \[0, 32000\).*first: 32000"):
         flce.linear_cross_entropy(x, w, bad).backward()
+
+
+@pytest.mark.parametrize("bt", [64, 2048])  # the background target check; the early sync that drops rows
+def test_cuda_as_default_device(bt):
+    """Under ``torch.device("cuda")`` (or set_default_device) the host buffers stay on the host."""
+    with CUDA:
+        x, w, t = llm_case(bt, 256, 1000, torch.float32)
+        t[::3] = -100
+        loss = flce.linear_cross_entropy(x, w, t)
+        loss.backward()
+        ref, (x64, w64, _) = reference_loss(x, w, t)
+        ref.backward()
+    assert_close(loss, ref, 1e-5, "loss")
+    assert_close(x.grad, x64.grad, 1e-4, "grad_input")
+    assert_close(w.grad, w64.grad, 1e-4, "grad_weight")
