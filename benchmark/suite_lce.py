@@ -103,6 +103,13 @@ def _flce_lean(x, w, t):
     return flce.linear_cross_entropy(x, w, t, accum_dtype=w.dtype, chunk_size=rows)
 
 
+def _flce_low_memory(x, w, t):
+    """The precise low-memory mode: grad_input in forward, grad_weight per vocabulary block in backward."""
+    import flce
+
+    return flce.linear_cross_entropy(x, w, t, low_memory=True)
+
+
 def _eager(x, w, t):
     """Hugging Face style: logits in the model's dtype, upcast, then cross-entropy."""
     logits = F.linear(x, w)
@@ -190,6 +197,7 @@ def _missing(module: str, cuda_only: bool = True, imports: str | None = None) ->
 METHODS: dict[str, LossFn | None] = {
     "flce": _flce,
     "flce-lean": _flce_lean,
+    "flce-low-memory": _flce_low_memory,
     "flce-unchecked": _flce_unchecked,
     "eager": _eager,
     "compile": _compile,
