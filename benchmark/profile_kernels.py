@@ -79,6 +79,13 @@ def main():
 
         _run("flce low_memory=True", low_memory_step, args.steps)
         torch.cuda.empty_cache()
+        from flce.kernels import block_gemm_triton
+
+        fused = block_gemm_triton.supported
+        block_gemm_triton.supported = lambda *a, **k: False  # backward's blocks: cuBLAS, then the block kernel
+        _run("flce low_memory=True, cuBLAS + block kernel", low_memory_step, args.steps)
+        block_gemm_triton.supported = fused
+        torch.cuda.empty_cache()
     big = torch.empty(bt, vocab, device=dev, dtype=dt)
     _run("floor again", floor, args.steps)
 
