@@ -82,7 +82,7 @@ def linear_log_probs(
     backend: str = "auto",
     validate_target: bool = True,
 ) -> TokenStats:
-    """Per-token statistics of ``z = softcap(input @ linear_weight.T + linear_bias) / temperature)`` at
+    """Per-token statistics of ``z = softcap((input @ linear_weight.T + linear_bias) / temperature)`` at
     ``target``, without materializing the [tokens, vocab] logits.
 
     ``r = logits / temperature``, ``z = softcap * tanh(r / softcap)`` (``z = r`` without softcap),
