@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from conftest import BACKENDS, DEVICE
-from hf_zoo import MODELS_FILE, ZOO, installed, recorded_verdicts, render_models, zoo_verdict
+from hf_zoo import MODELS_FILE, README_FILE, ZOO, installed, readme_with_models, recorded_verdicts, render_models, zoo_verdict
 
 RECORDED = recorded_verdicts()
 RECORDED_ON = RECORDED.get("_transformers")
@@ -56,6 +56,11 @@ def test_recorded_verdicts_cover_the_installed_zoo_and_enough_fuse():
 
 def test_supported_models_file_is_generated_from_the_verdicts():
     assert MODELS_FILE.read_text() == render_models(RECORDED), REGENERATE
+
+
+def test_readme_model_list_is_generated_from_the_verdicts():
+    readme = README_FILE.read_text()
+    assert readme == readme_with_models(readme, RECORDED), REGENERATE
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="no Triton here (CUDA, or its interpreter on the CPU)")
