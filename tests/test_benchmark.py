@@ -256,7 +256,8 @@ def test_json_has_no_nan(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bt,hidden,vocab", [(32768, 1024, 32000), (16384, 2048, 65536)])
 def test_flce_grad_weight_precision_bf16(bt, hidden, vocab):
-    """The precision target (benchmark/NOTES.md): default flce's grad_weight error <= 1.25x the bf16 rounding of the exact gradient."""
+    """The precision target (benchmark/NOTES.md): default flce's grad_weight error <= 1.25x the bf16
+    rounding of the exact gradient."""
     import flce
 
     cell = suite_lce.Cell("precision", bt, hidden, vocab)
