@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from ..options import LossOptions
+from .softcap_torch import cap_
 
 
 class RowTerms(NamedTuple):
@@ -41,9 +42,10 @@ def ce_block_torch(logits: torch.Tensor, col_start: int, vocab: int, terms: RowT
     target, lse, class_weight, weight_sum, grad_scale = terms
     math_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     eps, cap = opts.label_smoothing, opts.softcap
-    z = logits.to(math_dtype) / opts.temperature
-    if cap is not None:
-        z = cap * torch.tanh(z / cap)
+    z = logits.to(math_dtype, copy=True)
+    if opts.temperature != 1.0:
+        z.mul_(1.0 / opts.temperature)  # as the kernel: times 1 / T
+    slope = cap_(z, cap, slope=True) if cap is not None else None
     valid = target != opts.ignore_index
     poison = torch.where(valid & ((target < 0) | (target >= vocab)), float("nan"), 0.0).to(math_dtype)
     y = target.clamp(0, vocab - 1)
@@ -65,8 +67,8 @@ def ce_block_torch(logits: torch.Tensor, col_start: int, vocab: int, terms: RowT
     g.scatter_(1, at, g_y[:, None])
     if eps > 0.0:
         g -= eps / vocab * (w[col_start:col_start + cols] if w is not None else 1.0)
-    if cap is not None:
-        g *= 1.0 - (z / cap).square()
+    if slope is not None:
+        g *= slope
     scale = grad_scale.to(math_dtype) / opts.temperature
     g *= (scale + poison)[:, None]
     logits.copy_(torch.where(valid[:, None], g, 0.0))

@@ -14,7 +14,8 @@ import triton.language as tl
 
 from ..options import LossOptions
 from .ce_block_torch import RowTerms
-from .ce_triton import _grad_block, _logits
+from .ce_triton import _grad_block
+from .softcap_triton import capped_slope
 
 
 @triton.jit
@@ -47,9 +48,9 @@ def _block_grad(raw, rows, row_mask, cols, col_mask, target_ptr, lse_ptr, scale_
     else:
         scale = zero + tl.load(scale_ptr).to(tl.float32)
     scale = scale * inv_temp + poison
-    z = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
-    return _grad_block(z, cols, col_mask, class_weight_ptr, y[:, None], lse[:, None], extra[:, None],
-                       ((1.0 - smoothing) * w_y)[:, None], smoothing / V, scale[:, None], valid[:, None], softcap,
+    z, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
+    return _grad_block(z, slope, cols, col_mask, class_weight_ptr, y[:, None], lse[:, None], extra[:, None],
+                       ((1.0 - smoothing) * w_y)[:, None], smoothing / V, scale[:, None], valid[:, None],
                        HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
 
 

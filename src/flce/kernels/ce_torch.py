@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..options import LossOptions
+from .softcap_torch import cap_
 from .targets import count_targets
 
 # Logits per block: 2 MiB of float32, small enough to stay in a core's L2/L3 across a block's passes and
@@ -87,11 +88,8 @@ def _block(logits, target, loss, lse, correct, w, w_sum, scale, opts: LossOption
         z = logits  # loss alone, float32: read here, the exponentials go to a copy below
     if inv_temp != 1.0:
         z.mul_(inv_temp)
-    tanh = None
-    if cap is not None:
-        z.div_(cap).tanh_()
-        tanh = z.clone() if grad else None  # for the gradient's factor 1 - tanh^2
-        z.mul_(cap)
+    # With a gradient, the softcap's derivative sech^2(r / c): the block's one temporary.
+    slope = cap_(z, cap, slope=grad) if cap is not None else None
 
     if vocab == 0:  # every valid target is out of range: NaN rows, as the kernel; nothing to write back
         m = torch.full((n,), float("-inf"), dtype=acc, device=logits.device)
@@ -137,8 +135,8 @@ def _block(logits, target, loss, lse, correct, w, w_sum, scale, opts: LossOption
             e.addr_(row_scale, w, alpha=-eps_v)
         else:
             e.sub_((eps_v * row_scale)[:, None])
-    if tanh is not None:
-        e.mul_(tanh.square_().neg_().add_(1.0))
+    if slope is not None:
+        e.mul_(slope)
     if e.is_cuda:  # no host sync
         e.masked_fill_(~valid[:, None], 0.0)
     else:  # the ignored rows only: a broadcast mask costs a pass as slow as exp over the whole block

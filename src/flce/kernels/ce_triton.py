@@ -18,42 +18,7 @@ import triton
 import triton.language as tl
 
 from ..options import LossOptions
-
-
-# tanh(x) = x + x^3 * P(x^2) for |x| <= TANH_SMALL: P fitted (iteratively reweighted least squares) for
-# tanh's relative error, under one float32 ulp in float32 Horner arithmetic.
-TANH_SMALL = tl.constexpr(0.625)
-TANH_P0 = tl.constexpr(-0.3333328068256378)
-TANH_P1 = tl.constexpr(0.13331441581249237)
-TANH_P2 = tl.constexpr(-0.05373971164226532)
-TANH_P3 = tl.constexpr(0.020639073103666306)
-TANH_P4 = tl.constexpr(-0.005704972892999649)
-
-
-@triton.jit
-def _tanh(x):
-    """tanh to float32 rounding over all x, portable (libdevice is CUDA-only; the interpreter has none).
-
-    1 - 2 / (exp(2x) + 1) alone cancels for small |x| (softcap 1e6 lost 2e-3 of the loss, 1e30 gave 0):
-    the odd polynomial covers |x| <= 0.625, where softcap * tanh(z / softcap) must give back z for a
-    large softcap; beyond, that formula on |x| has no cancellation and saturates cleanly to +-1."""
-    a = tl.abs(x)
-    s = x * x
-    p = TANH_P3 + s * TANH_P4
-    p = TANH_P2 + s * p
-    p = TANH_P1 + s * p
-    p = TANH_P0 + s * p
-    small = x + x * s * p
-    big = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
-    return tl.where(a <= TANH_SMALL, small, tl.where(x < 0.0, -big, big))
-
-
-@triton.jit
-def _logits(raw, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
-    z = raw * inv_temp
-    if HAS_SOFTCAP:
-        z = softcap * _tanh(z / softcap)
-    return z
+from .softcap_triton import capped, capped_slope
 
 
 @triton.jit
@@ -90,7 +55,7 @@ def _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT: tl.c
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < V
         raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z_in = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
+        z_in = capped(raw, inv_temp, softcap, HAS_SOFTCAP)
         z = tl.where(mask, z_in, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, 0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that start with -inf logits
@@ -118,12 +83,12 @@ def _tile_stats_lse(max_ptr, sum_ptr, n_tiles, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _grad_block(z, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef, smoothing_per_class, scale, keep,
-                softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def _grad_block(z, slope, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef, smoothing_per_class, scale,
+                keep, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """dz_j = target_coef * (p_j - [j == y]) + extra_coef * p_j - smoothing_per_class * w_j, chained
-    through softcap and temperature (``scale`` includes 1/T); exact zeros where not ``keep`` (never
-    0 * NaN). p_y - 1 is exact for a confident target (p_y >= 1/2), so a small target gradient is not
-    the difference of two rounded O(1) terms."""
+    through softcap (times ``slope``, dz / dr from ``capped_slope``) and temperature (``scale`` includes
+    1/T); exact zeros where not ``keep`` (never 0 * NaN). p_y - 1 is exact for a confident target
+    (p_y >= 1/2), so a small target gradient is not the difference of two rounded O(1) terms."""
     p = tl.exp(z - lse)
     g = target_coef * (p - tl.where(cols == y, 1.0, 0.0)) + extra_coef * p
     if HAS_SMOOTHING:
@@ -133,8 +98,7 @@ def _grad_block(z, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef
         else:
             g -= smoothing_per_class
     if HAS_SOFTCAP:
-        t = z / softcap
-        g = g * (1.0 - t * t)
+        g = g * slope
     return tl.where(keep, g * scale, 0.0)
 
 
@@ -149,9 +113,9 @@ def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coe
         cols = (last - back) + tl.arange(0, BLOCK_V)
         mask = cols < V
         raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
-        g = _grad_block(z, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef, smoothing_per_class,
-                        scale, keep, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+        z, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
+        g = _grad_block(z, slope, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef, smoothing_per_class,
+                        scale, keep, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
         tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
 
 
@@ -168,12 +132,12 @@ def _write_row_grad_once(row_ptr, class_weight_ptr, V, y, lse, extra_coef, targe
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < V
         raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z_in = _logits(raw, inv_temp, softcap, HAS_SOFTCAP)
+        z_in, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
         z = tl.where(mask, z_in, float("-inf"))
         sum_z, best, best_idx = _extras(z_in, z, mask, cols, start, class_weight_ptr, sum_z, best, best_idx, HAS_WEIGHT,
                                         HAS_SMOOTHING, COMPUTE_ACC)
-        g = _grad_block(z_in, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef, smoothing_per_class,
-                        scale, keep, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+        g = _grad_block(z_in, slope, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef,
+                        smoothing_per_class, scale, keep, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
         tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
     return sum_z, best_idx
 
@@ -250,7 +214,7 @@ def _ce_kernel(
             n_bad += bad.to(tl.int64)
         y = tl.minimum(tl.maximum(y, 0), V - 1)  # safe index for ignored (or unchecked) targets
 
-        z_y = _logits(tl.load(row_ptr + y).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)  # before pass 2
+        z_y = capped(tl.load(row_ptr + y).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)  # before pass 2
         if HAS_WEIGHT:
             w_y = tl.load(class_weight_ptr + y).to(tl.float32)
             w_sum = tl.load(weight_sum_ptr).to(tl.float32)

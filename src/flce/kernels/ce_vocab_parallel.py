@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..options import LossOptions
+from .softcap_torch import cap_
 
 # Rows of the statistics that shard_stats writes, (STATS, n) float32.
 ROW_MAX, SUM_EXP, TARGET_LOGIT, SUM_LOGITS = range(4)
@@ -92,14 +93,17 @@ def shard_grad(
                           smoothing_per_class, opts)
 
 
-def _capped_logits(logits: torch.Tensor, opts: LossOptions) -> torch.Tensor:
-    """z in float32 (float64 for float64 logits: the math dtype of every flce loss)."""
-    z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32) / opts.temperature
-    return opts.softcap * torch.tanh(z / opts.softcap) if opts.softcap is not None else z
+def _capped_logits(logits: torch.Tensor, opts: LossOptions, slope: bool = False):
+    """(z, dz/dr or None) in float32 (float64 for float64 logits: the math dtype of every flce loss); the
+    slope (the softcap's derivative) only when asked for and softcapped."""
+    z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32, copy=True)
+    if opts.temperature != 1.0:
+        z.mul_(1.0 / opts.temperature)
+    return z, (cap_(z, opts.softcap, slope) if opts.softcap is not None else None)
 
 
 def _shard_stats_torch(logits, target_local, class_weight, opts, out) -> None:
-    z = _capped_logits(logits, opts)
+    z, _ = _capped_logits(logits, opts)
     row_max = z.amax(1)
     out[ROW_MAX] = row_max
     out[SUM_EXP] = torch.exp(z - row_max[:, None]).sum(1)
@@ -112,7 +116,7 @@ def _shard_stats_torch(logits, target_local, class_weight, opts, out) -> None:
 
 def _shard_grad_torch(logits, target_local, class_weight, lse, extra_coef, target_coef, scale,
                       smoothing_per_class, opts) -> None:
-    z = _capped_logits(logits, opts)
+    z, slope = _capped_logits(logits, opts, slope=True)
     p = torch.exp(z - lse[:, None])
     g = (target_coef + extra_coef)[:, None] * p
     here = target_local >= 0
@@ -122,6 +126,6 @@ def _shard_grad_torch(logits, target_local, class_weight, lse, extra_coef, targe
     g.scatter_(1, y, torch.where(here, g_y, g.gather(1, y)[:, 0])[:, None])
     if opts.label_smoothing > 0.0:
         g -= smoothing_per_class * (class_weight if class_weight is not None else 1.0)
-    if opts.softcap is not None:
-        g *= 1.0 - (z / opts.softcap).square()
+    if slope is not None:
+        g *= slope
     logits.copy_(torch.where(scale[:, None] != 0, g * scale[:, None], 0.0))

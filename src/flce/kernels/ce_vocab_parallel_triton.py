@@ -2,7 +2,7 @@
 
 One program per row, blocks over the shard's columns, float32 arithmetic whatever the logits' dtype.
 The row passes (online softmax, gradient written over the row) are the core kernel's own jit
-functions, so both kernels compute the same z (the same accurate tanh under softcap) and gradient.
+functions, so both kernels compute the same z and gradient (the same softcap, ``softcap_triton``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from ..options import LossOptions
-from .ce_triton import _logits, _row_stats, _write_row_grad
+from .ce_triton import _row_stats, _write_row_grad
+from .softcap_triton import capped
 
 
 @triton.jit
@@ -39,7 +40,7 @@ def _shard_stats_kernel(
     y = tl.load(target_ptr + row)
     here = y >= 0
     raw_y = tl.load(row_ptr + tl.maximum(y, 0)).to(tl.float32)
-    z_y = tl.where(here, _logits(raw_y, inv_temp, softcap, HAS_SOFTCAP), 0.0)
+    z_y = tl.where(here, capped(raw_y, inv_temp, softcap, HAS_SOFTCAP), 0.0)
     tl.store(out_ptr + row, m)
     tl.store(out_ptr + n_rows + row, s)
     tl.store(out_ptr + 2 * n_rows + row, z_y)

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from ..options import LossOptions
-from .ce_triton import _logits, _sm_count
+from .ce_triton import _sm_count
+from .softcap_triton import capped
 
 
 class TileConfig(NamedTuple):
@@ -71,7 +72,7 @@ def _logits_stats_kernel(x_desc, w_desc, out_desc, bias_ptr, max_ptr, sum_ptr, M
         out = acc.to(out_desc.dtype)
         out_desc.store([m0, n0], out)
         # Statistics of the stored (rounded) logits: the values the CE kernel will read back.
-        z = tl.where(cols[None, :] < N, _logits(out.to(tl.float32), inv_temp, softcap, HAS_SOFTCAP), float("-inf"))
+        z = tl.where(cols[None, :] < N, capped(out.to(tl.float32), inv_temp, softcap, HAS_SOFTCAP), float("-inf"))
         row_max = tl.max(z, 1)
         row_sum = tl.sum(tl.exp(z - row_max[:, None]), 1)
         rows = m0 + tl.arange(0, BM)

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import torch
 
+from .softcap_torch import cap_
 from .token_stats import RowStats, Transform
 
 
-def capped_logits(logits: torch.Tensor, tf: Transform) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(z, dz/dr) in float32: z = c * tanh(r / c) with r = logits / T, and the softcap's derivative
-    sech^2(r / c) = 4t / (1 + t)^2 with t = exp(-2|r / c|), which does not cancel where tanh -> 1."""
+def capped_logits(logits: torch.Tensor, tf: Transform, slope: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(z, dz/dr) in float32: z = c * tanh(r / c) with r = logits / T, and (``slope`` and a softcap, else None)
+    the softcap's derivative sech^2(r / c) (``softcap_torch``)."""
     r = logits.float() * tf.inv_temp
     if tf.softcap is None:
         return r, None
-    u = r / tf.softcap
-    t = torch.exp(-2.0 * u.abs())
-    return tf.softcap * torch.tanh(u), 4.0 * t / (1.0 + t).square()
+    return r, cap_(r, tf.softcap, slope)
 
 
 def _targets(target: torch.Tensor, vocab: int, tf: Transform):
@@ -58,7 +57,7 @@ def row_grad_torch(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor
     n, vocab = logits.shape
     if n == 0:
         return
-    z, dz_dr = capped_logits(logits, tf)
+    z, dz_dr = capped_logits(logits, tf, slope=True)
     valid, poison, y = _targets(target, vocab, tf)
     log_p = z - lse[:, None]
     p = torch.exp(log_p)

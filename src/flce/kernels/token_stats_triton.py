@@ -14,32 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .softcap_triton import capped, capped_slope
 from .token_stats import RowStats, Transform
 
 # Vocabulary columns per step, rows per SM in the grid, warps (the CE kernel's tuned defaults).
 BLOCK_V = 8192
 PROGRAMS_PER_SM = 16
 NUM_WARPS = 8
-
-
-@triton.jit
-def _tanh_abs(a):
-    """tanh(a) for a >= 0, accurate to a few ulp: a Taylor polynomial where (1 - e^-2a) / (1 + e^-2a)
-    would cancel (a < 1/4, where the next term is below 1e-8 relative), that quotient elsewhere."""
-    a2 = a * a
-    series = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0)))))
-    t = tl.exp(-2.0 * a)
-    return tl.where(a < 0.25, series, (1.0 - t) / (1.0 + t))
-
-
-@triton.jit
-def _z(raw, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
-    r = raw * inv_temp
-    if HAS_SOFTCAP:
-        u = r / softcap
-        th = _tanh_abs(tl.abs(u))
-        r = softcap * tl.where(u < 0.0, -th, th)
-    return r
 
 
 @triton.jit
@@ -72,7 +53,7 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
-            z_in = _z(tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)
+            z_in = capped(tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)
             z = tl.where(mask, z_in, float("-inf"))
             block_max = tl.max(z, 0)
             m_new = tl.maximum(m, block_max)
@@ -96,7 +77,7 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
         lse = m + log_s
         tl.store(lse_ptr + row, tl.where(valid, lse + poison, 0.0))
         if HAS_LOG_PROBS:
-            z_y = _z(tl.load(row_ptr + y).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)
+            z_y = capped(tl.load(row_ptr + y).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)
             tl.store(log_probs_ptr + row, tl.where(valid, z_y - lse + poison, 0.0))
         if HAS_ENTROPY:
             tl.store(entropy_ptr + row, tl.where(valid, log_s - a / s + poison, 0.0))
@@ -128,14 +109,8 @@ def _grad_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
-            r = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp
-            if HAS_SOFTCAP:
-                u = r / softcap
-                t = tl.exp(-2.0 * tl.abs(u))
-                th = _tanh_abs(tl.abs(u))
-                z = softcap * tl.where(u < 0.0, -th, th)
-            else:
-                z = r
+            raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            z, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
             log_p = z - lse
             p = tl.exp(log_p)
             g = tl.zeros((BLOCK_V,), dtype=tl.float32)
@@ -144,7 +119,7 @@ def _grad_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_
             if HAS_ENT_GRAD:
                 g -= g_ent * p * (log_p + ent)
             if HAS_SOFTCAP:
-                g = g * (4.0 * t / ((1.0 + t) * (1.0 + t)))  # sech^2(u): no cancellation where tanh -> 1
+                g = g * slope
             g = tl.where(valid, g * inv_temp + poison, 0.0)
             tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
