@@ -235,13 +235,14 @@ BLOCK_OPTIONS = [
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_block_kernels_match_float64(backend, opts, per_row, weighted, dtype):
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("float64 takes the torch twin (kernels.resolve_backend): no float64 Triton kernel")
     n, cols, vocab, col_start = 21, 700, 2000, 640  # partial row and column tiles
     logits, terms = block_case(n, cols, vocab, col_start, dtype, per_row=per_row, opts=opts, weighted=weighted)
     want = reference_block(logits, col_start, vocab, terms, opts)
     out = logits.clone()
     block_kernel(backend)(out, col_start, vocab, terms, opts)
-    # float64: the Triton kernel's scalar arguments (smoothing, z_loss, 1 / temperature) are float32
-    tol = {torch.float64: 1e-12 if backend == "torch" else 1e-7, torch.float32: 1e-6}.get(dtype, TOL[dtype] / 4)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6}.get(dtype, TOL[dtype] / 4)
     assert rel_err(out, want) <= tol
     assert torch.all(out[1] == 0)  # the ignored row: exact zeros
 

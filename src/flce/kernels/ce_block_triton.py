@@ -58,14 +58,14 @@ def _block_grad(raw, rows, row_mask, cols, col_mask, target_ptr, lse_ptr, scale_
 def _ce_block_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, scale_ptr, class_weight_ptr, weight_sum_ptr,
                      n_rows, n_cols, col_start, V, ignore_index, smoothing, z_loss, softcap, inv_temp,
                      HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-                     HAS_SOFTCAP: tl.constexpr, SCALE_PER_ROW: tl.constexpr, FLOAT64: tl.constexpr,
+                     HAS_SOFTCAP: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     local = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask, col_mask = rows < n_rows, local < n_cols
     ptrs = logits_ptr + rows[:, None] * stride_row + local[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
-    raw = tl.load(ptrs, mask=mask, other=0.0).to(tl.float64 if FLOAT64 else tl.float32)
+    raw = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     g = _block_grad(raw, rows, row_mask, col_start + local, col_mask, target_ptr, lse_ptr, scale_ptr,
                     class_weight_ptr, weight_sum_ptr, V, ignore_index, smoothing, z_loss, softcap, inv_temp,
                     HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP, SCALE_PER_ROW)
@@ -97,8 +97,9 @@ def ce_block_triton(logits: torch.Tensor, col_start: int, vocab: int, terms: Row
     if n == 0 or cols == 0:
         return
     assert logits.stride(1) == 1, "logits rows must be contiguous"
+    assert logits.dtype != torch.float64, "float64 takes the torch twin (kernels.resolve_backend)"
     pointers, scalars, flags = row_arguments(terms, opts)
     _ce_block_kernel[(triton.cdiv(n, BLOCK_R), triton.cdiv(cols, BLOCK_C))](
         logits, logits.stride(0), *pointers, n, cols, col_start, vocab, *scalars, **flags,
-        FLOAT64=logits.dtype == torch.float64, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS,
+        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=WARPS,
     )
