@@ -82,15 +82,18 @@ def sech2_cases() -> torch.Tensor:
 
 
 def test_kernel_sech2_is_accurate_everywhere():
-    """sech^2 = 4q / (1 + q)^2 with q = exp(-2|x|) from a range-reduced exponential: within 8 float32 ulps of
-    float64 over |x| in [0, 100], underflow included (under the interpreter within 2.6). 1 - tanh^2 was
-    off by up to 100% once tanh rounds near 1 (|x| > ~4), and exp(-2|x|) as CUDA's tl.exp computes it by
-    up to |x| * 2^-23 relative (~40 ulps at |x| = 40)."""
+    """sech^2 = 4q / (1 + q)^2 with q = exp(-2|x|): within 8 + |x| float32 ulps of float64 over |x| in
+    [0, 100] (CUDA's exp rounds its argument's product with log2 e to float32: |x| * 2^-23 relative; the
+    interpreter's exp is exact, 2.6 ulps), where sech^2 is a normal float32; below that (|x| > ~43.7) it may
+    flush to 0 (CUDA's exp does), harmless next to the O(1) terms of a gradient. 1 - tanh^2 was off by up
+    to 100% once tanh rounds near 1 (|x| > ~4)."""
     x = sech2_cases()
     _, got = tanh_sech2_through_kernel(x)
     want = 1.0 / torch.cosh(x.double()).square()
-    assert ulps(got, want).max() <= 8
-    assert (got[x.abs() > 52] == 0).all() and (got[x.abs() < 44] > 0).all()
+    normal = want >= torch.finfo(torch.float32).tiny
+    assert (ulps(got, want)[normal] <= 8 + x.abs().double()[normal]).all()
+    assert (ulps(got, want)[~normal] <= 8).logical_or(got[~normal] == 0).all()
+    assert (got[x.abs() > 52] == 0).all() and (got[x.abs() < 43] > 0).all()
     _, special = tanh_sech2_through_kernel(torch.tensor([float("inf"), -float("inf"), float("nan")]))
     assert special[0] == 0 and special[1] == 0 and special[2].isnan()
 
