@@ -77,12 +77,14 @@ def assert_loss_close(actual, expected, tol, unit=1.0, what="loss"):
     assert not a.isnan().any() and worst <= 0, f"{what}: off by more than {tol:.3g} * (|expected| + {unit})"
 
 
-def chunked_reference_grads(x, weight, target, chunk=1024):
-    """Mean cross-entropy and its (grad_input, grad_weight) in float64, chunk by chunk (GPU-sized shapes).
+def chunked_reference_grads(x, weight, target, chunk=1024, ignore_index=-100):
+    """Mean cross-entropy over the non-ignored rows and its (grad_input, grad_weight) in float64, chunk by
+    chunk (GPU-sized shapes).
 
-    x: (n, H), weight: (V, H), target: (n,) with no ignored rows.
+    x: (n, H), weight: (V, H), target: (n,); rows whose target is ignore_index add nothing.
     """
     n = x.shape[0]
+    n_valid = max(int((target != ignore_index).sum()), 1)
     w64 = weight.double()
     grad_w = torch.zeros_like(w64)
     grad_x = torch.empty(x.shape, dtype=torch.float64, device=x.device)
@@ -90,16 +92,18 @@ def chunked_reference_grads(x, weight, target, chunk=1024):
     for start in range(0, n, chunk):
         x_c = x[start:start + chunk].double()
         t_c = target[start:start + chunk]
+        valid = t_c != ignore_index
+        rows, t_safe = torch.arange(len(t_c), device=x.device), t_c.where(valid, 0)
         logits = x_c @ w64.T
         lse = torch.logsumexp(logits, 1)
-        total += (lse - logits.gather(1, t_c[:, None])[:, 0]).sum()
+        total += ((lse - logits[rows, t_safe]) * valid).sum()
         logits.sub_(lse[:, None]).exp_()
-        logits[torch.arange(len(t_c), device=x.device), t_c] -= 1.0
-        logits /= n
+        logits[rows, t_safe] -= 1.0
+        logits *= (valid.double() / n_valid)[:, None]
         grad_x[start:start + chunk] = logits @ w64
         grad_w.addmm_(logits.T, x_c)
         del logits
-    return total / n, grad_x, grad_w
+    return total / n_valid, grad_x, grad_w
 
 
 class DropGrad(torch.autograd.Function):

@@ -1,4 +1,5 @@
-"""The benchmark CLI (benchmark/bench.py) and its helpers: a CPU smoke run and the precision reference."""
+"""The benchmark CLI (benchmark/bench.py) and its helpers: a CPU smoke run and the precision reference;
+benchmark/dist_check.py's CPU dry run."""
 
 import json
 import math
@@ -283,3 +284,21 @@ def test_cli_gpu_takes_both_readings(tmp_path):
         assert r["status"] == "ok", r
         assert _finite(r["ms_loop"]) and _finite(r["ms_mixed"]) and r["median_ms"] == max(r["ms_loop"], r["ms_mixed"])
         assert _finite(r["peak_mb"]) and r["peak_mb"] > 0
+
+
+def test_dist_check_smoke_on_two_cpu_ranks(tmp_path):
+    """benchmark/dist_check.py --smoke (two gloo ranks through torchrun): every part runs and passes."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           str(ROOT / "benchmark" / "dist_check.py"), "--smoke"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "dist_check.json").read_text())["rows"]
+    checks = [r["check"] for r in rows if "status" in r]
+    assert all(r["status"] == "ok" for r in rows if "status" in r), [r for r in rows if r.get("status") != "ok"]
+    for part in ("head", "options: all, none", "llama: fsdp2", "mixtral: fsdp2", "mixtral: ddp", "trl sft"):
+        assert any(c.startswith(part) for c in checks), part
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("ALL OK")
+    assert (tmp_path / "dist_check.md").read_text().startswith("# dist_check")

@@ -1,6 +1,6 @@
 """flce.distributed over 2 and 3 gloo processes: vocab-parallel loss and gradients against the float64
 reference (even, uneven and empty shards; every option; all-ignored rows), the DTensor entry, and a
-patched tiny Llama under FSDP2 and DDP set up as accelerate does it.
+patched tiny Llama and Mixtral trained a few steps under FSDP2 and DDP set up as accelerate does it.
 
 The processes are started once per world size and kept for the module (a ``Cluster``); each test
 sends a function to every rank and asserts on what the ranks send back.
@@ -8,7 +8,9 @@ sends a function to every rank and asserts on what the ranks send back.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import os
 import queue
 import re
@@ -31,6 +33,8 @@ from flce.options import LossOptions
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
+
+from hf_tiny import tiny_model  # noqa: E402
 
 CPU = torch.device("cpu")
 # Float64 inputs: float64 GEMMs and float64 softmax arithmetic (the torch twins), so the vocab-parallel
@@ -137,9 +141,10 @@ def _bounds(sizes, rank: int) -> tuple[int, int]:
 
 
 def vocab_parallel_case(rank, world, *, sizes, dtype=torch.float64, shape=(29,), hidden=12,
-                        reduction="mean", backend="torch", device=CPU, autocast=False, **opts):
-    """Relative errors of this rank's loss, grad_input and weight/bias-shard grads against float64.
-    (Also run on GPUs by benchmark/dist_check.py.)"""
+                        reduction="mean", backend="torch", device=CPU, autocast=False, one_device=False, **opts):
+    """Relative errors of this rank's loss, grad_input and weight/bias-shard grads against float64;
+    ``one_device``: also those of ``flce.linear_cross_entropy`` on the full weight (same options), the
+    single-device loss the vocab-parallel one stands in for. (Also run on GPUs by benchmark/dist_check.py.)"""
     torch.manual_seed(1234)  # the same full problem on every rank
     vocab = sum(sizes)
     case_keys = {k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts}
@@ -151,7 +156,10 @@ def vocab_parallel_case(rank, world, *, sizes, dtype=torch.float64, shape=(29,),
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         loss = vocab_parallel_linear_cross_entropy(x, w_shard, t, linear_bias=b_shard, weight=cw,
                                                    reduction=reduction, backend=backend, **opts)
-    for k in ("chunk_size", "accum_dtype", "validate_target", "shard_sizes"):
+    for k in ("validate_target", "shard_sizes"):
+        opts.pop(k, None)
+    one_opts = dict(opts)
+    for k in ("chunk_size", "accum_dtype"):
         opts.pop(k, None)
     ref, (x64, w64, b64) = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, reduction=reduction, **opts)
     want_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -164,7 +172,18 @@ def vocab_parallel_case(rank, world, *, sizes, dtype=torch.float64, shape=(29,),
     if b is not None:
         errs["grad_bias"] = rel_err(b_shard.grad, b64.grad[start:end])
     dtypes = {str(g.dtype) for g in (x.grad, w_shard.grad) + ((b_shard.grad,) if b is not None else ())}
-    return {"errs": errs, "dtypes": dtypes}
+    out = {"errs": errs, "dtypes": dtypes}
+    if one_device:
+        leaves = [None if a is None else a.detach().clone().requires_grad_() for a in (x, w, b)]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            one = flce.linear_cross_entropy(leaves[0], leaves[1], t, linear_bias=leaves[2], weight=cw,
+                                            reduction=reduction, backend=backend, **one_opts)
+        one.backward(grad_out.to(one.dtype))
+        out["one_errs"] = {"loss": rel_err(one, ref), "grad_input": rel_err(leaves[0].grad, x64.grad),
+                           "grad_weight": rel_err(leaves[1].grad[start:end], w64.grad[start:end])}
+        if b is not None:
+            out["one_errs"]["grad_bias"] = rel_err(leaves[2].grad[start:end], b64.grad[start:end])
+    return out
 
 
 def _assert_all_close(results, dtype, tol=None):
@@ -551,13 +570,11 @@ def _check_stage_kernels(dev, n, v_local, dtype, opts):
     assert torch.all(grads["triton"][1] == 0)
 
 
-# --- patched models under DDP and FSDP2, as accelerate sets them up ---------------------------------
+# --- patched models trained under DDP and FSDP2, as accelerate sets them up -------------------------
 
-def _tiny_llama(tied: bool, dtype=torch.float64):
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=tied)
-    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
+# SGD with momentum, not Adam: a gradient off by a constant factor (a rank count, a token count) moves the
+# weights by that factor, where Adam's normalization would hide it.
+LR, MOMENTUM = 0.1, 0.9
 
 
 def _batches(world: int, vocab: int, device):
@@ -571,37 +588,62 @@ def _batches(world: int, vocab: int, device):
     return out
 
 
-def _hf_loss(model, ids, labels):
-    """transformers' own causal-LM loss on materialized logits, whatever forward the model class has."""
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    logits = model.lm_head(model.model(input_ids=ids).last_hidden_state)
-    return ForCausalLMLoss(logits, labels, vocab_size=model.config.vocab_size)
-
-
-def _prepare(model, wrap: str, mixed_precision: str, device: torch.device):
-    """The model as ``accelerator.prepare`` returns it. Without a GPU accelerate picks DDP whatever the
-    plugin says, so there FSDP2 goes through accelerate's own ``fsdp2_prepare_model``."""
+@contextlib.contextmanager
+def fsdp_on_cpu():
+    """Within the block, an Accelerator given an FSDP plugin on CPU ranks sets up FSDP as it does on GPUs
+    (accelerate alone picks DDP on CPUs whatever the plugin says), with a CPU device mesh: FSDP2's
+    default mesh would be on the machine's accelerator while the group and tensors are on the CPU."""
     from accelerate import Accelerator, ParallelismConfig
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from accelerate.utils import DistributedType
 
+    init = Accelerator.__init__
+
+    @functools.wraps(init)
+    def init_fsdp_on_cpu(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        state, plugin = self.state, kwargs.get("fsdp_plugin")
+        if plugin is None or state.distributed_type != DistributedType.MULTI_CPU:
+            return
+        state.distributed_type = DistributedType.FSDP
+        if state.mixed_precision != "no":
+            plugin.set_mixed_precision(state.mixed_precision)  # what accelerate does for an FSDP state
+        state.fsdp_plugin = plugin
+        state.parallelism_config = ParallelismConfig(dp_shard_size=dist.get_world_size())
+        state.device_mesh = state.parallelism_config.get_device_mesh("cpu")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Accelerator, "__init__", init_fsdp_on_cpu)
+        yield
+
+
+@contextlib.contextmanager
+def fresh_accelerate_state():
+    """A fresh accelerate state on entry and exit, and the environment put back: an Accelerator given an
+    FSDP plugin sets ACCELERATE_USE_FSDP for the whole process, so a later one without a plugin would
+    wrap with FSDP (version 1) instead of DDP (benchmark/dist_check.py runs both in one process)."""
+    from accelerate.state import AcceleratorState
+
+    environ = dict(os.environ)
     AcceleratorState._reset_state(True)
-    # An Accelerator given an FSDP plugin sets this for the whole process, so a later one without a plugin
-    # would wrap with FSDP (version 1) instead of DDP (benchmark/dist_check.py runs both in one process).
-    os.environ.pop("ACCELERATE_USE_FSDP", None)
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(True)
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def _prepare(model, optimizer, wrap: str, mixed_precision: str, device: torch.device):
+    """(model, optimizer) as ``accelerator.prepare`` returns them: DDP, or FSDP2 with accelerate's own
+    wrapping (the decoder layers, then the root with the embeddings, final norm and head)."""
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if wrap == "fsdp2" else None
-    acc = Accelerator(cpu=device.type == "cpu", fsdp_plugin=plugin, mixed_precision=mixed_precision)
-    if wrap == "fsdp2" and acc.distributed_type != DistributedType.FSDP:
-        acc.state.fsdp_plugin = plugin
-        # A CPU mesh, as accelerate builds one for its device on GPUs: without it FSDP2's default mesh
-        # is on the machine's accelerator (a GPU where there is one) while the group and tensors are CPU.
-        acc.state.parallelism_config = ParallelismConfig(dp_shard_size=dist.get_world_size())
-        acc.state.device_mesh = acc.state.parallelism_config.get_device_mesh(device.type)
-        return fsdp2_prepare_model(acc, model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # accelerate's FSDP2 prepares the pair only
-    return acc.prepare(model, optimizer)[0]
+    with fsdp_on_cpu():
+        acc = Accelerator(cpu=device.type == "cpu", fsdp_plugin=plugin, mixed_precision=mixed_precision)
+    assert acc.is_fsdp2 == (wrap == "fsdp2"), acc.distributed_type
+    return acc.prepare(model, optimizer)
 
 
 def _uses_fused_loss(loss: torch.Tensor) -> bool:
@@ -618,35 +660,112 @@ def _uses_fused_loss(loss: torch.Tensor) -> bool:
     return False
 
 
-def patched_model_case(rank, world, *, wrap, tied, dtype=torch.float64, device=CPU, mixed_precision="no"):
-    """Relative errors of the patched, wrapped model's loss and gradients against transformers' loss in
-    one process (the mean of the ranks' losses, as DDP and FSDP2 average gradients).
-    (Also run on GPUs by benchmark/dist_check.py.)"""
-    torch.manual_seed(3)
-    model = _tiny_llama(tied, dtype).to(device)
-    batches = _batches(world, model.config.vocab_size, device)
-    ref_model = copy.deepcopy(model)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16"):
-        ref_losses = [_hf_loss(ref_model, ids, labels) for ids, labels in batches]
-    torch.stack(ref_losses).mean().backward()
+def _train_one_process(model, batches, mixed_precision: str) -> list[list[torch.Tensor]]:
+    """transformers' own loss (materialized logits), one SGD step per entry of ``batches`` on the mean of
+    the ranks' losses (what DDP and FSDP2 average); each step's losses, rank by rank."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    device_type = next(model.parameters()).device.type
+    out = []
+    for step_batches in batches:
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16"):
+            outputs = [model(input_ids=ids, labels=labels) for ids, labels in step_batches]
+        assert all(o.logits is not None for o in outputs)  # unfused: the reference is transformers' loss
+        torch.stack([o.loss for o in outputs]).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        out.append([o.loss.detach() for o in outputs])
+    return out
 
-    flce.apply_flce_patch(model)
-    wrapped = _prepare(model, wrap, mixed_precision, device)
-    ids, labels = batches[rank]
-    loss = wrapped(input_ids=ids, labels=labels).loss
-    loss.backward()
-    errs = {"loss": rel_err(loss, ref_losses[rank])}
-    ref_grads = dict(ref_model.named_parameters())
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+
+
+def patched_training_case(rank, world, *, wrap, family="llama", tied=False, dtype=torch.float64, device=CPU,
+                          mixed_precision="no", steps=3, flce_experts=False, router_logits=True, baseline=False):
+    """Relative errors of a patched tiny model trained ``steps`` SGD steps under ``wrap`` ("ddp" or
+    "fsdp2", through accelerate): each step's loss on this rank and each parameter's change over the run,
+    against the unpatched model trained in one process. Mixtral: eager experts unpatched, flce's
+    experts backend when ``flce_experts``; ``router_logits`` adds the router's aux loss. ``baseline``: the
+    same errors of the unpatched model under the same wrap (what the wrap alone changes, e.g. FSDP2's
+    bf16 parameters against autocast). (Also run on GPUs by benchmark/dist_check.py.)"""
+    torch.manual_seed(3)
+    extra = {"output_router_logits": router_logits} if family == "mixtral" else {}
+    model = tiny_model(family, dtype, vocab_size=97, tie_word_embeddings=tied, **extra).to(device)
+    if family == "mixtral":
+        model.set_experts_implementation("eager")  # transformers' default (grouped_mm) has no float64
+    batches = [_batches(world, model.config.vocab_size, device) for _ in range(steps)]
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    reference = copy.deepcopy(model)
+    ref_losses = _train_one_process(reference, batches, mixed_precision)
+    plain = copy.deepcopy(model) if baseline else None
+
+    flce.apply_flce_patch(model, use_flce_experts=flce_experts)
+    out = _train_wrapped(model, batches, rank, wrap, mixed_precision, device)
+    flce.remove_flce_patch(model)
+    out["errs"] = _training_errors(model, out.pop("losses"), reference, ref_losses, rank, start)
+    if baseline:
+        unpatched = _train_wrapped(plain, batches, rank, wrap, mixed_precision, device)
+        out["baseline_errs"] = _training_errors(plain, unpatched["losses"], reference, ref_losses, rank, start)
+    return out
+
+
+def _train_wrapped(model, batches, rank: int, wrap: str, mixed_precision: str, device: torch.device) -> dict:
+    """This rank's losses of one SGD step per entry of ``batches`` under ``wrap``; whether every loss went
+    through flce, whether flce's experts backend ran, whether the head was sharded."""
+    from flce import experts
+
+    experts_forward, calls = experts.experts_forward, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return experts_forward(*args, **kwargs)
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses, fused = [], []
+    with fresh_accelerate_state(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(experts, "experts_forward", counted)
+        wrapped, optimizer = _prepare(model, optimizer, wrap, mixed_precision, device)
+        for step_batches in batches:
+            ids, labels = step_batches[rank]
+            loss = wrapped(input_ids=ids, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            fused.append(_uses_fused_loss(loss))
+            losses.append(loss.detach())
+    return {"losses": losses, "fused": all(fused), "flce_experts": bool(calls),
+            "sharded": type(model.lm_head.weight).__name__ == "DTensor"}
+
+
+def _training_errors(model, losses, reference, ref_losses, rank: int, start: dict) -> dict[str, float]:
+    """Relative errors of each step's loss and of each parameter's change over the run."""
+    errs = {f"loss, step {i + 1}": rel_err(loss, ref[rank]) for i, (loss, ref) in enumerate(zip(losses, ref_losses))}
+    ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        errs[name] = rel_err(grad, ref_grads[name].grad)
-    return {"errs": errs, "fused": _uses_fused_loss(loss)}
+        errs[name] = rel_err(_full(p) - start[name], ref_params[name].detach() - start[name])
+    return errs
+
+
+def assert_trained_alike(results, tol, flce_experts=False, sharded=False):
+    for rank, res in enumerate(results):
+        assert res["fused"], f"rank {rank}: the loss did not go through flce"
+        assert res["flce_experts"] == flce_experts, f"rank {rank}: flce's experts backend ran: {res['flce_experts']}"
+        assert res["sharded"] == sharded, f"rank {rank}: FSDP2-sharded head: {res['sharded']}"
+        errs = res["errs"]
+        worst = max(errs, key=errs.get)
+        assert errs[worst] < tol, f"rank {rank}: {worst} relative error {errs[worst]:.3g}"
 
 
 @pytest.mark.parametrize("wrap,tied", [("ddp", False), ("fsdp2", False), ("fsdp2", True), ("ddp", True)])
-def test_patched_llama_under_ddp_and_fsdp2(cluster2, wrap, tied):
-    for rank, res in enumerate(cluster2.run(patched_model_case, wrap=wrap, tied=tied)):
-        assert res["fused"], f"rank {rank}: the loss did not go through flce"
-        errs = res["errs"]
-        worst = max(errs, key=errs.get)
-        assert errs[worst] < F64_TOL, f"rank {rank}: {worst} relative error {errs[worst]:.3g}"
+def test_patched_llama_trains_alike_under_ddp_and_fsdp2(cluster2, wrap, tied):
+    results = cluster2.run(patched_training_case, wrap=wrap, tied=tied)
+    assert_trained_alike(results, F64_TOL, sharded=wrap == "fsdp2")
+
+
+@pytest.mark.parametrize("wrap,flce_experts,router_logits", [("fsdp2", True, True), ("ddp", True, True),
+                                                             ("fsdp2", False, True), ("fsdp2", True, False)])
+def test_patched_mixtral_trains_alike_under_ddp_and_fsdp2(cluster2, wrap, flce_experts, router_logits):
+    results = cluster2.run(patched_training_case, wrap=wrap, family="mixtral", flce_experts=flce_experts,
+                           router_logits=router_logits)
+    assert_trained_alike(results, F64_TOL, flce_experts=flce_experts, sharded=wrap == "fsdp2")

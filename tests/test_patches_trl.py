@@ -2,6 +2,7 @@
 trainings on the CPU, with flce patched before and after the trainer is built, against the unpatched run
 (TRL's own fused-head kernel): same losses, same weights, and spies that prove whose kernels ran."""
 
+import contextlib
 import copy
 import functools
 import math
@@ -115,29 +116,39 @@ def _fresh_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@pytest.fixture
-def spy(monkeypatch):
-    """Counts of kernel calls: flce's statistics and gradient kernels, TRL's CPU tiles (its GPU kernels
-    sit behind the same branch)."""
-    calls = {"flce_stats": 0, "flce_grad": 0, "trl_forward": 0, "trl_backward": 0}
+@contextlib.contextmanager
+def counting_kernels():
+    """Counts of kernel calls: flce's statistics and gradient kernels, TRL's CPU tiles, and TRL's own
+    autograd Function on any device ("trl_function"; on GPUs its tiles are Triton kernels). Yields
+    ``take()``: the counts since the last take, then zeroed."""
+    calls = {"flce_stats": 0, "flce_grad": 0, "trl_forward": 0, "trl_backward": 0, "trl_function": 0}
 
     def counting(key, fn):
+        @functools.wraps(fn)  # keeps the signature that flce's routing reads
         def wrapper(*args, **kwargs):
             calls[key] += 1
             return fn(*args, **kwargs)
         return wrapper
-
-    monkeypatch.setattr(token_stats, "row_stats", counting("flce_stats", token_stats.row_stats))
-    monkeypatch.setattr(token_stats, "row_grad", counting("flce_grad", token_stats.row_grad))
-    monkeypatch.setattr(chunked_logprob, "_forward_tile", counting("trl_forward", chunked_logprob._forward_tile))
-    monkeypatch.setattr(chunked_logprob, "_backward_tile", counting("trl_backward", chunked_logprob._backward_tile))
 
     def take():
         seen = dict(calls)
         calls.update(dict.fromkeys(calls, 0))
         return seen
 
-    return take
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(token_stats, "row_stats", counting("flce_stats", token_stats.row_stats))
+        mp.setattr(token_stats, "row_grad", counting("flce_grad", token_stats.row_grad))
+        mp.setattr(chunked_logprob, "_forward_tile", counting("trl_forward", chunked_logprob._forward_tile))
+        mp.setattr(chunked_logprob, "_backward_tile", counting("trl_backward", chunked_logprob._backward_tile))
+        own = chunked_logprob.ChunkedLogProbFunction
+        mp.setattr(own, "forward", staticmethod(counting("trl_function", own.forward)))
+        yield take
+
+
+@pytest.fixture
+def spy():
+    with counting_kernels() as take:
+        yield take
 
 
 @pytest.mark.parametrize("kind", ["sft_completion", "sft_assistant", "dpo", "grpo"])
