@@ -376,3 +376,23 @@ def test_trl_head_benchmark_cpu_smoke(tmp_path):
         if r["method"] != "floor":
             assert r["grad_w_vs_other"] < 1e-2 and r["grad_w_vs_fp32"] < 2 * r["rounding_w"] + 1e-3, r
     assert "| flce |" in (tmp_path / "trl_head.md").read_text()
+
+
+def test_routing_sees_through_a_wrapper_that_hides_the_signature(monkeypatch):
+    """A profiler or spy wrapping TRL's kernel without functools.wraps must not silently stop the routing."""
+    from trl.kernels import chunked_logprob
+
+    from flce.patches import trl as flce_trl
+
+    own = chunked_logprob.ChunkedLogProbFunction
+    forward = own.forward
+
+    def hiding(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(own, "forward", staticmethod(hiding))
+    flce_trl.unroute_trl()
+    try:
+        assert flce_trl.route_trl_to_flce() and flce_trl.is_routed()
+    finally:
+        flce_trl.unroute_trl()

@@ -97,7 +97,7 @@ def route_trl_to_flce() -> bool:
     except Exception:  # a TRL that does not import here: nothing can call it, and patching must not fail
         return False
     own = getattr(chunked_logprob, "ChunkedLogProbFunction", None)
-    if own is None or "outputs" not in inspect.signature(own.forward).parameters:
+    if own is None or not _takes_outputs(own):
         return _guard_old_sft_trainer()
     _routed.setdefault("kernel", own)
     trl.kernels.ChunkedLogProbFunction = TrlHeadOnFlce  # what trl.trainer.utils binds when imported later
@@ -105,6 +105,22 @@ def route_trl_to_flce() -> bool:
     if caller is not None:
         setattr(caller, _NAME, TrlHeadOnFlce)
     return True
+
+
+def _takes_outputs(kernel) -> bool:
+    """Whether TRL's fused head has the signature flce's adapter serves (``..., outputs``: TRL >= 1.16),
+    read through wrappers; a wrapper that hides it (``*args``) is judged by TRL's version."""
+    params = inspect.signature(inspect.unwrap(kernel.forward)).parameters
+    if "outputs" in params:
+        return True
+    if any(p.kind is p.VAR_POSITIONAL for p in params.values()):
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            return Version(_trl_version()) >= Version("1.16")
+        except InvalidVersion:
+            return False
+    return False
 
 
 def unroute_trl() -> None:
