@@ -18,7 +18,7 @@ from . import logits_triton
 from .ce_block_torch import RowTerms
 from .ce_block_triton import _block_grad, row_arguments
 from .ce_triton import _sm_count
-from .logits_triton import TileConfig, _tile_coords
+from .logits_triton import TileConfig, _tile_coords, tile_logits
 
 TILE = TileConfig()  # logits_triton's tile; tests shrink it for the interpreter
 
@@ -31,18 +31,10 @@ def _block_grad_gemm_kernel(x_desc, w_desc, out_desc, bias_ptr, target_ptr, lse_
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                             PROGRAMS: tl.constexpr):
     grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    k_steps = tl.cdiv(K, BK)
     for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
         m0, n0 = pid_m * BM, pid_n * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ks in range(k_steps):
-            a = x_desc.load([m0, ks * BK])
-            w = w_desc.load([n0, ks * BK])
-            acc = tl.dot(a, w.T, acc)
-        cols = n0 + tl.arange(0, BN)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc, cols = tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS, BM, BN, BK)
         # The logits as forward stored them (rounded), so that their softmax matches the saved lse.
         raw = acc.to(out_desc.dtype).to(tl.float32)
         rows = (m0 + tl.arange(0, BM)).to(tl.int64)

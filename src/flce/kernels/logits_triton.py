@@ -52,23 +52,30 @@ def _tile_coords(tile, grid_m, grid_n, GROUP: tl.constexpr):
 
 
 @triton.jit
+def tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr):
+    """The (BM, BN) tile of x @ w^T (+ bias) at (m0, n0) in float32, and its column indices (BN,)."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ks in range(tl.cdiv(K, BK)):
+        a = x_desc.load([m0, ks * BK])
+        w = w_desc.load([n0, ks * BK])
+        acc = tl.dot(a, w.T, acc)
+    cols = n0 + tl.arange(0, BN)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    return acc, cols
+
+
+@triton.jit
 def _logits_stats_kernel(x_desc, w_desc, out_desc, bias_ptr, max_ptr, sum_ptr, M, N, K, inv_temp, softcap,
                          HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr, GROUP: tl.constexpr, PROGRAMS: tl.constexpr):
     grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    k_steps = tl.cdiv(K, BK)
     # One program per SM walks the tiles; flatten lets the next tile's loads start during this epilogue.
     for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
         m0, n0 = pid_m * BM, pid_n * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ks in range(k_steps):
-            a = x_desc.load([m0, ks * BK])
-            w = w_desc.load([n0, ks * BK])
-            acc = tl.dot(a, w.T, acc)
-        cols = n0 + tl.arange(0, BN)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc, cols = tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS, BM, BN, BK)
         out = acc.to(out_desc.dtype)
         out_desc.store([m0, n0], out)
         # Statistics of the stored (rounded) logits: the values the CE kernel will read back.
