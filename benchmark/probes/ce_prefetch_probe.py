@@ -1,8 +1,8 @@
 """Probe: the CE kernel's one-read pass (lse known from tile statistics) reaches ~2.7 TB/s on an
 H100 against 3.0 for a device copy with the same read/write mix. Does loading the next block before
 computing and storing the current one (a prefetch carried through the loop) close the gap? Plain
-options only (no smoothing, softcap or weights). Result (H100, `results/2026-11-22-h100-7c5054c/
-ce_prefetch_probe.txt`): copy 3.02 TB/s; without prefetch 2.77-2.79 TB/s over seven launch shapes, with it
+options only (no smoothing, softcap or weights). Result (H100, `results/2026-11-24-h100-c4f27ea/
+ce_prefetch_probe_7c5054c.txt`): copy 3.02 TB/s; without prefetch 2.77-2.79 TB/s over seven launch shapes, with it
 2.55-2.83: no gain. GPU only:
 
     PYTHONPATH=src:benchmark python benchmark/probes/ce_prefetch_probe.py

@@ -2,8 +2,8 @@
 rows), as a persistent Triton GEMM with TMA, against cuBLAS's addmm(out_dtype=float32). Two uses:
 ``out`` = acc (the update of every chunk but the last) and ``out`` a bf16 tensor (the last chunk: the
 GEMM then writes the weight gradient directly, with no float32 result written and read back by a
-separate cast, ~1.0 ms on an H100 at 128256 x 4096). Result (H100, `results/2026-11-22-h100-7c5054c/
-grad_w_tma_probe.txt`): cuBLAS 6.14 ms (+ cast 7.31); this kernel 9.11 ms with a float32 out and at best
+separate cast, ~1.0 ms on an H100 at 128256 x 4096). Result (H100, `results/2026-11-24-h100-c4f27ea/
+grad_w_tma_probe_7c5054c.txt`): cuBLAS 6.14 ms (+ cast 7.31); this kernel 9.11 ms with a float32 out and at best
 7.35 with a bf16 out: no gain, the transposed dlogits operand costs it more than cuBLAS. GPU only:
 
     PYTHONPATH=src:benchmark python benchmark/probes/grad_w_tma_probe.py

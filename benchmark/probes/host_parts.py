@@ -1,7 +1,7 @@
 """Probe: host microseconds of each piece of a small-batch flce step on a CUDA device, with
 the GPU held busy so nothing waits. GPU only:
 PYTHONPATH=src:benchmark taskset -c 4 python benchmark/probes/host_parts.py. Result (H100 host,
-``results/2026-11-22-h100-7c5054c/host_parts_53db34f.txt``): flce 445 us unchecked against eager 236; no
+``results/2026-11-24-h100-c4f27ea/host_parts_53db34f.txt``): flce 445 us unchecked against eager 236; no
 single piece dominates (a Triton launch 44, torch.mm 28, an autograd Function with autograd.grad 96).
 ("checked" waits in backward for the target check, so there it times the GPU's held-busy work.)"""
 from __future__ import annotations

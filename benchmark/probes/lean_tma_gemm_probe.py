@@ -3,7 +3,7 @@ persistent Triton GEMM with TMA loads and stores, against cuBLAS's addmm_. A poi
 (`lean_triton_gemm_probe.py` at 7102c05) was 25% slower than cuBLAS; this one keeps one program per SM,
 loads A, B and C through tensor descriptors and flattens the tile loop so the next tile's loads are in
 flight during the current tile's read-modify-write. C_EARLY loads C into the accumulator before the
-k-loop instead of after it. Result (H100, `results/2026-11-22-h100-7c5054c/lean_tma_gemm_probe_6de0f32.txt`):
+k-loop instead of after it. Result (H100, `results/2026-11-24-h100-c4f27ea/lean_tma_gemm_probe_6de0f32.txt`):
 cuBLAS 1.11 ms, this kernel at best 1.28 (128 x 128 x 64, 4 stages), and 2.0-2.6 with C loaded before
 the k-loop: not used.
 GPU only (CPU: --small under TRITON_INTERPRET=1 checks the arithmetic):

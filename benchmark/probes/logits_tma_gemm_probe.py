@@ -2,7 +2,7 @@
 with TMA (logits = x_c @ W^T, bf16 out) whose epilogue also writes per-row (max, sum exp) of each
 (BM, BN) output tile, so that the CE kernel would read each logit once (1R+1W instead of 2R+1W: -2.9 ms
 at 32768 rows on an H100). Worth it only if this GEMM runs within ~1% of cuBLAS. Result (H100,
-`results/2026-11-22-h100-7c5054c/logits_tma_gemm_probe_6de0f32.txt`): cuBLAS 6.00 ms, 128 x 256 x 64
+`results/2026-11-24-h100-c4f27ea/logits_tma_gemm_probe_6de0f32.txt`): cuBLAS 6.00 ms, 128 x 256 x 64
 tiles with 3 stages and 8 warps 5.76 ms without and 5.73 with the statistics; 128 x 128 and 256 x 128
 tiles were slower. This became kernels/logits_triton.py. GPU only (CPU: --small under TRITON_INTERPRET=1
 checks the arithmetic):
