@@ -21,6 +21,13 @@ import suite_lce  # noqa: E402
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+def _env_with_src(**extra: str) -> dict[str, str]:
+    """This process's environment with src/ first on PYTHONPATH: packages found through the caller's
+    PYTHONPATH (trl on a machine that carries it there) stay importable in the child."""
+    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 def _bench(tmp_path: Path, *flags: str, pythonpath: str = "") -> tuple[subprocess.CompletedProcess, dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (pythonpath, str(ROOT / "src")) if p),
                CUDA_VISIBLE_DEVICES="")
@@ -272,7 +279,7 @@ def test_flce_grad_weight_precision_bf16(bt, hidden, vocab):
 @pytest.mark.gpu
 def test_cli_gpu_takes_both_readings(tmp_path):
     """On a GPU: every method gets a loop and a mixed reading (CUDA events), the table the worse."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env = _env_with_src()
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench.py"), "--out", str(tmp_path), "--shapes",
                            "1024x512x8192", "--methods", "flce,eager,trl,quack,floor", "--modes", "fwd+bwd",
@@ -286,15 +293,22 @@ def test_cli_gpu_takes_both_readings(tmp_path):
         assert _finite(r["peak_mb"]) and r["peak_mb"] > 0
 
 
+def _first_traceback(log: str, lines: int = 60) -> str:
+    """The first traceback of a torchrun log (the root cause; torchrun's own summary comes last)."""
+    start = log.find("Traceback")
+    return "\n".join(log[start:].splitlines()[:lines]) if start >= 0 else log[-3000:]
+
+
 def test_dist_check_smoke_on_two_cpu_ranks(tmp_path):
     """benchmark/dist_check.py --smoke (two gloo ranks through torchrun): every part runs and passes."""
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+    env = _env_with_src(OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    # --standalone: a free rendezvous port, so parallel test workers never meet on torchrun's default.
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(ROOT / "benchmark" / "dist_check.py"), "--smoke"],
                           capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _first_traceback(proc.stdout + proc.stderr)
     rows = json.loads((tmp_path / "dist_check.json").read_text())["rows"]
     checks = [r["check"] for r in rows if "status" in r]
     assert all(r["status"] == "ok" for r in rows if "status" in r), [r for r in rows if r.get("status") != "ok"]
