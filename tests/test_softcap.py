@@ -43,8 +43,9 @@ softcap_triton = pytest.importorskip("flce.kernels.softcap_triton")
 def _apply_tanh_sech2(x_ptr, tanh_ptr, sech2_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
-    tl.store(tanh_ptr + offs, softcap_triton.tanh(x), mask=offs < n)
-    tl.store(sech2_ptr + offs, softcap_triton.sech2(x), mask=offs < n)
+    t, s = softcap_triton.tanh_sech2(x)
+    tl.store(tanh_ptr + offs, t, mask=offs < n)
+    tl.store(sech2_ptr + offs, s, mask=offs < n)
 
 
 def tanh_sech2_through_kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

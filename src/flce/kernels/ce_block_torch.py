@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from ..options import LossOptions
-from .softcap_torch import cap_
+from .softcap_torch import capped_logits
 
 
 class RowTerms(NamedTuple):
@@ -42,10 +42,7 @@ def ce_block_torch(logits: torch.Tensor, col_start: int, vocab: int, terms: RowT
     target, lse, class_weight, weight_sum, grad_scale = terms
     math_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     eps, cap = opts.label_smoothing, opts.softcap
-    z = logits.to(math_dtype, copy=True)
-    if opts.temperature != 1.0:
-        z.mul_(1.0 / opts.temperature)  # as the kernel: times 1 / T
-    slope = cap_(z, cap, slope=True) if cap is not None else None
+    z, slope = capped_logits(logits, 1.0 / opts.temperature, cap, slope=True)
     valid = target != opts.ignore_index
     poison = torch.where(valid & ((target < 0) | (target >= vocab)), float("nan"), 0.0).to(math_dtype)
     y = target.clamp(0, vocab - 1)

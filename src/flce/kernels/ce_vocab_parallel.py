@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..options import LossOptions
-from .softcap_torch import cap_
+from .softcap_torch import capped_logits
 
 # Rows of the statistics that shard_stats writes, (STATS, n) float32.
 ROW_MAX, SUM_EXP, TARGET_LOGIT, SUM_LOGITS = range(4)
@@ -93,17 +93,8 @@ def shard_grad(
                           smoothing_per_class, opts)
 
 
-def _capped_logits(logits: torch.Tensor, opts: LossOptions, slope: bool = False):
-    """(z, dz/dr or None) in float32 (float64 for float64 logits: the math dtype of every flce loss); the
-    slope (the softcap's derivative) only when asked for and softcapped."""
-    z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32, copy=True)
-    if opts.temperature != 1.0:
-        z.mul_(1.0 / opts.temperature)
-    return z, (cap_(z, opts.softcap, slope) if opts.softcap is not None else None)
-
-
 def _shard_stats_torch(logits, target_local, class_weight, opts, out) -> None:
-    z, _ = _capped_logits(logits, opts)
+    z, _ = capped_logits(logits, 1.0 / opts.temperature, opts.softcap)
     row_max = z.amax(1)
     out[ROW_MAX] = row_max
     out[SUM_EXP] = torch.exp(z - row_max[:, None]).sum(1)
@@ -116,7 +107,7 @@ def _shard_stats_torch(logits, target_local, class_weight, opts, out) -> None:
 
 def _shard_grad_torch(logits, target_local, class_weight, lse, extra_coef, target_coef, scale,
                       smoothing_per_class, opts) -> None:
-    z, slope = _capped_logits(logits, opts, slope=True)
+    z, slope = capped_logits(logits, 1.0 / opts.temperature, opts.softcap, slope=True)
     p = torch.exp(z - lse[:, None])
     g = (target_coef + extra_coef)[:, None] * p
     here = target_local >= 0

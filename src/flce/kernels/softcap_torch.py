@@ -32,3 +32,16 @@ def cap_(r: torch.Tensor, softcap: float, slope: bool = False) -> torch.Tensor |
     u = r * inv
     torch.tanh(u, out=r).mul_(softcap)
     return sech2_(u)
+
+
+def capped_logits(logits: torch.Tensor, inv_temp: float, softcap: float | None, slope: bool = False,
+                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(z, dz/dr or None) for logits (n, V): z = softcap * tanh(r / softcap) (z = r without softcap) with
+    r = logits * inv_temp, a new tensor in ``dtype`` (default: the math dtype, float64 for float64 logits,
+    else float32); the slope sech^2(r / softcap) only with ``slope`` and a softcap."""
+    if dtype is None:
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    z = logits.to(dtype, copy=True)
+    if inv_temp != 1.0:
+        z.mul_(inv_temp)  # as the kernels: times 1 / T
+    return z, (cap_(z, softcap, slope) if softcap is not None else None)

@@ -52,20 +52,6 @@ def tanh_sech2(x):
 
 
 @triton.jit
-def tanh(x):
-    """tanh(x) to float32 rounding (a few ulps) over all x."""
-    t, _ = tanh_sech2(x)
-    return t
-
-
-@triton.jit
-def sech2(x):
-    """sech^2(x) = 1 - tanh^2(x) = d tanh / dx to a few float32 ulps over all x (no cancellation)."""
-    _, s = tanh_sech2(x)
-    return s
-
-
-@triton.jit
 def inverse(softcap, dtype: tl.constexpr):
     """1 / softcap correctly rounded in ``dtype`` (as ``softcap_torch.inverse``), at most the largest float32:
     a tiny softcap then still maps r = 0 to u = 0."""

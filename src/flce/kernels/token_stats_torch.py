@@ -5,17 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .softcap_torch import cap_
+from .softcap_torch import capped_logits
 from .token_stats import RowStats, Transform
-
-
-def capped_logits(logits: torch.Tensor, tf: Transform, slope: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(z, dz/dr) in float32: z = c * tanh(r / c) with r = logits / T, and (``slope`` and a softcap, else None)
-    the softcap's derivative sech^2(r / c) (``softcap_torch``)."""
-    r = logits.float() * tf.inv_temp
-    if tf.softcap is None:
-        return r, None
-    return r, cap_(r, tf.softcap, slope)
 
 
 def _targets(target: torch.Tensor, vocab: int, tf: Transform):
@@ -30,7 +21,7 @@ def row_stats_torch(logits: torch.Tensor, target: torch.Tensor, out: RowStats, t
     n, vocab = logits.shape
     if n == 0:
         return
-    z, _ = capped_logits(logits, tf)
+    z, _ = capped_logits(logits, tf.inv_temp, tf.softcap, dtype=torch.float32)
     valid, poison, y = _targets(target, vocab, tf)
     m = z.amax(1)
     m = torch.where(m == float("-inf"), 0.0, m)[:, None]  # as the kernel: a row of -inf logits gives NaN
@@ -57,7 +48,7 @@ def row_grad_torch(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor
     n, vocab = logits.shape
     if n == 0:
         return
-    z, dz_dr = capped_logits(logits, tf, slope=True)
+    z, dz_dr = capped_logits(logits, tf.inv_temp, tf.softcap, slope=True, dtype=torch.float32)
     valid, poison, y = _targets(target, vocab, tf)
     log_p = z - lse[:, None]
     p = torch.exp(log_p)
