@@ -11,6 +11,7 @@ the logits raises a ValueError that names it, so a loss is never silently differ
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -83,7 +84,7 @@ class LogitsPromise:
         return self.shape if dim is None else self.shape[dim]
 
     def numel(self) -> int:
-        return _prod(self.shape)
+        return math.prod(self.shape)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -119,7 +120,7 @@ class LogitsPromise:
     def _row_index(self) -> torch.Tensor:
         if self._rows is not None:
             return self._rows
-        return torch.arange(_prod(self._lead), device=self._call.hidden.device).view(self._lead)
+        return torch.arange(math.prod(self._lead), device=self._call.hidden.device).view(self._lead)
 
     def _with_rows(self, rows: torch.Tensor) -> LogitsPromise:
         return self._derive(lead=rows.shape, rows=rows)
@@ -238,7 +239,7 @@ def _view(a, *shape):
 
 def _resolve(shape: tuple, numel: int) -> tuple[int, ...]:
     if -1 in shape:
-        known = _prod([s for s in shape if s != -1])
+        known = math.prod([s for s in shape if s != -1])
         shape = tuple(numel // known if s == -1 and known else s for s in shape)
     return shape
 
@@ -248,7 +249,7 @@ def _flatten(a, start_dim=0, end_dim=-1):
     start, end = start_dim % a.dim(), end_dim % a.dim()
     if end == last and start != last:
         raise Unfusable("a flatten over the vocabulary dimension")
-    lead = list(a.shape[:start]) + [_prod(a.shape[start:end + 1])] + list(a.shape[end + 1:])
+    lead = list(a.shape[:start]) + [math.prod(a.shape[start:end + 1])] + list(a.shape[end + 1:])
     return _view(a, lead)
 
 
@@ -403,13 +404,6 @@ def _op_name(func) -> str:
     name = getattr(func, "__name__", None) or repr(func)
     module = getattr(func, "__module__", None) or ""
     return f"{module}.{name}" if module.startswith("torch.nn") else name
-
-
-def _prod(sizes) -> int:
-    out = 1
-    for size in sizes:
-        out *= size
-    return out
 
 
 def _flat(args, kwargs):
