@@ -1,8 +1,9 @@
 """Kernel-by-kernel GPU time of the floor's three GEMMs and of flce steps, in one process.
 
 GPU only. Usage: PYTHONPATH=src python benchmark/profile_kernels.py [--shape 8192x4096x128256]
-[--chunk-sizes default,8192] [--accum-dtype bfloat16] [--low-memory]. Prints, per variant, the summed CUDA time of each kernel name over
-``--steps`` steps and the wall time per step, so the gap between a step and its kernels is visible.
+[--chunk-sizes default,8192] [--accum-dtype bfloat16] [--low-memory] [--exp-logits-off]. Prints, per
+variant, the summed CUDA time of each kernel name over ``--steps`` steps and the wall time per step, so the
+gap between a step and its kernels is visible.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def main():
     p.add_argument("--accum-dtype", default=None, choices=[None, "bfloat16", "float32"],
                    help="flce's grad_weight accumulator (bfloat16 with --chunk-sizes 512: the lean setting)")
     p.add_argument("--low-memory", action="store_true", help="also profile low_memory=True")
+    p.add_argument("--exp-logits-off", action="store_true",
+                   help="also profile the default step with the exp-logits path off (exp_logits.py)")
     args = p.parse_args()
     bt, hidden, vocab = map(int, args.shape.split("x"))
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -72,6 +75,13 @@ def main():
 
         _run(f"flce chunk_size={spec}", step, args.steps)
         torch.cuda.empty_cache()
+        if args.exp_logits_off and chunk is None:
+            from flce import exp_logits
+
+            keep, exp_logits.MIN_ROWS = exp_logits.MIN_ROWS, 1 << 62
+            _run("flce, exp-logits path off", step, args.steps)
+            exp_logits.MIN_ROWS = keep
+            torch.cuda.empty_cache()
     if args.low_memory:
         def low_memory_step():
             x.grad = w.grad = None

@@ -66,7 +66,8 @@ SWEEPS: dict[str, Callable[[bool], list[Cell]]] = {
                              for h in ((2048, 4096) if quick else (1024, 2048, 4096, 8192))],
     "small-vocab": lambda quick: [Cell("small-vocab", 8192, 2048, 32000)],
     "precision": lambda quick: [Cell("precision", 32768, 1024, 32000, FB, precision=True),
-                                Cell("precision", 16384, 2048, 65536, FB, precision=True)],
+                                Cell("precision", 16384, 2048, 65536, FB, precision=True),
+                                Cell("precision", 8192, 4096, 128256, FB, precision=True)],  # one chunk
     "ignore": lambda quick: [Cell("ignore", 8192, **LLAMA3, modes=FB, ignored=share) for share in (0.0, 0.5)],
     # The embedded default without a GPU (a training step in float32, seconds a cell): logits of 8 and
     # 32 MiB against a weight of 2 and 4 MiB, and the larger with half the targets ignored.

@@ -24,6 +24,7 @@ import torch
 from common import measure_interleaved, timed_calls
 
 import flce
+from flce import exp_logits
 from flce.kernels import logits_triton
 from flce.kernels.ce_triton import LaunchConfig, ce_chunk_triton
 from flce.options import LossOptions
@@ -37,6 +38,26 @@ def fused_off():
         yield
     finally:
         logits_triton.MIN_ROWS = keep
+
+
+@contextlib.contextmanager
+def exp_off():
+    keep = exp_logits.MIN_ROWS
+    exp_logits.MIN_ROWS = 1 << 62
+    try:
+        yield
+    finally:
+        exp_logits.MIN_ROWS = keep
+
+
+@contextlib.contextmanager
+def tile(**changes):
+    keep = logits_triton.TILE
+    logits_triton.TILE = keep._replace(**changes)
+    try:
+        yield
+    finally:
+        logits_triton.TILE = keep
 
 
 def step(x, w, t, **kw):
@@ -64,9 +85,23 @@ def part1(shape, chunk_rows, args):
     off = step(x, w, t)
 
     def cublas_two_pass():
-        with fused_off():
+        with fused_off(), exp_off():
             off()
-    fns = {"floor": floor(x.detach(), w.detach()), "flce": flce_step, "flce fused off": cublas_two_pass}
+
+    standard = step(x, w, t)
+
+    def exp_logits_off():
+        with exp_off():
+            standard()
+    fns = {"floor": floor(x.detach(), w.detach()), "flce": flce_step, "flce exp-logits off": exp_logits_off,
+           "flce fused off": cublas_two_pass}
+    if args.group:
+        grouped = step(x, w, t)
+
+        def wider_group():
+            with tile(group=args.group):
+                grouped()
+        fns[f"flce group {args.group}"] = wider_group
     for rows in chunk_rows:
         if rows < bt:
             fns[f"flce chunk {rows}"] = step(x, w, t, chunk_size=rows)
@@ -103,19 +138,45 @@ def part2():
     print(f"CE two passes 4096x128256 (default launch): {ms:.3f} ms {3 * n * v * 2 / ms / 1e6:.0f} GB/s", flush=True)
 
 
+def part3(shape):
+    """The logits GEMM alone, storing the logits (with their tile statistics) or exp(logits)."""
+    rows, hidden, vocab = shape
+    x = torch.randn(rows, hidden, device="cuda").bfloat16()
+    w = (torch.randn(vocab, hidden, device="cuda") / hidden**0.5).bfloat16()
+    out = torch.empty(rows, vocab, device="cuda", dtype=torch.bfloat16)
+    stats = torch.empty(2, rows, logits_triton.num_tiles(vocab), device="cuda")
+    fns = {"cuBLAS": lambda: torch.mm(x, w.t(), out=out)}
+    for store_exp in (False, True):
+        fns[f"store_exp={store_exp}"] = lambda s=store_exp: logits_triton.logits_with_tile_stats(
+            x, w, None, out, stats[0], stats[1], LossOptions(), store_exp=s)
+    times = {k: [] for k in fns}
+    for _ in range(5):
+        for name, fn in fns.items():
+            times[name].append(statistics.median(timed_calls(fn, 2, 10, torch.device("cuda"))))
+    for name, t in times.items():
+        print(f"logits GEMM {rows}x{hidden}x{vocab} {name:16s} {statistics.median(t):8.3f} ms", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="8192x4096x128256,32768x4096x128256")
     p.add_argument("--chunk-rows", default="5504")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--skip-part1", action="store_true")
+    p.add_argument("--skip-part2", action="store_true")
+    p.add_argument("--part3", action="store_true", help="the logits GEMM alone, store_exp off and on")
+    p.add_argument("--group", type=int, default=0, help="also time flce with this grouped-order width")
     a = p.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
-    args = SimpleNamespace(device=torch.device("cuda"), reps=a.reps, warmup=2)
+    args = SimpleNamespace(device=torch.device("cuda"), reps=a.reps, warmup=2, group=a.group)
     if not a.skip_part1:
         for s in a.shapes.split(","):
             part1(tuple(int(d) for d in s.split("x")), [int(r) for r in a.chunk_rows.split(",") if r], args)
-    part2()
+    if not a.skip_part2:
+        part2()
+    if a.part3:
+        for s in a.shapes.split(","):
+            part3(tuple(int(d) for d in s.split("x")))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ Two exceptions. With a single chunk (small batches) the two gradient GEMMs wait 
 grad_output scales the small operand x_c instead of a whole (V, H) gradient afterwards; for a plain
 mean the CE kernel then also counts the targets and finishes the mean itself (``LoopSpec.counts``). With
 reduction="none" the per-row grad_output is only known in backward, so there the loop runs again.
+A single chunk on Hopper in bf16 (1024 rows or more, the common options) goes further: its logits GEMM
+stores exp(logits), a row kernel takes the loss and row coefficients from the GEMM's statistics, and
+backward's GEMMs run on the exponentials with the rows scaled: no CE pass at all (``exp_logits.py``).
 
 Autograd's contracts: what backward reads of the caller's tensors (a single chunk's GEMM operands, or
 every input for reduction="none") goes through ``save_for_backward``, so an in-place change between
@@ -28,6 +31,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import exp_logits
+from .exp_logits import PendingExp
 from .gemm import mm_into, mm_new
 from .kernels import ce_chunk, math_dtype
 from .kernels.scale import scale_into
@@ -147,6 +152,9 @@ def chunk_loop(
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
         rows = slice(start, end) if end - start < n else slice(None)
         x_c = _as_dtype(_take(x, rows), compute_dtype)
+        if defer and exp_logits.applies(x_c, w, bias, needs, grad_scale, opts, want_correct, backend):
+            return parts, exp_logits.forward_chunk(x_c, w, bias, target, parts.loss, parts.lse, parts.total,
+                                                   class_weight, weight_sum, grad_scale, opts, counts)
         logits, tile_stats = chunk_logits(x_c, w, bias, _take(buffer, slice(None, end - start)), opts, backend)
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
                  _take(parts.correct, rows), class_weight, weight_sum,
@@ -240,7 +248,7 @@ def finish_forward(ctx, parts: LossParts, grads, grad_scale: torch.Tensor | None
         ctx.save_for_backward(*saved)
         loss = parts.loss
     else:
-        if isinstance(grads, PendingGrads):
+        if isinstance(grads, (PendingGrads, PendingExp)):
             ctx.save_for_backward(grads.x, grads.w)
             grads.x = grads.w = None  # backward reads them from saved_tensors only
         else:
@@ -355,7 +363,10 @@ def _input_grads(ctx, loop, spec: LoopSpec, needs, dtypes, g: torch.Tensor) -> l
     """(input, weight, bias) gradients for grad_output g (0-d, or per row for reduction='none')."""
     grads = take_grads(ctx)
     saved = ctx.saved_tensors  # raises if the caller changed one in place since forward
-    if isinstance(grads, PendingGrads):
+    if isinstance(grads, PendingExp):
+        grads = ChunkGrads(*exp_logits.finish(grads, *saved, g, needs, dtypes), None)
+        g = None
+    elif isinstance(grads, PendingGrads):
         grads = finish_pending(grads, *saved, g, needs, dtypes, spec.backend)
         g = None
     elif grads is None:  # reduction="none": run the loop again with the per-row grad_output

@@ -68,24 +68,48 @@ def tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS: tl.constexpr, 
 
 @triton.jit
 def _logits_stats_kernel(x_desc, w_desc, out_desc, bias_ptr, max_ptr, sum_ptr, M, N, K, inv_temp, softcap,
-                         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, GROUP: tl.constexpr, PROGRAMS: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, STORE_EXP: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                         PROGRAMS: tl.constexpr):
     grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     # One program per SM walks the tiles; flatten lets the next tile's loads start during this epilogue.
     for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
         m0, n0 = pid_m * BM, pid_n * BN
         acc, cols = tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS, BM, BN, BK)
-        out = acc.to(out_desc.dtype)
-        out_desc.store([m0, n0], out)
-        # Statistics of the stored (rounded) logits: the values the CE kernel will read back.
-        z = tl.where(cols[None, :] < N, capped(out.to(tl.float32), inv_temp, softcap, HAS_SOFTCAP), float("-inf"))
-        row_max = tl.max(z, 1)
-        row_sum = tl.sum(tl.exp(z - row_max[:, None]), 1)
+        if STORE_EXP:
+            row_max, row_sum = _store_exp(acc, cols, out_desc, m0, n0, N, inv_temp)
+        else:
+            out = acc.to(out_desc.dtype)
+            out_desc.store([m0, n0], out)
+            # Statistics of the stored (rounded) logits: the values the CE kernel will read back.
+            z = tl.where(cols[None, :] < N, capped(out.to(tl.float32), inv_temp, softcap, HAS_SOFTCAP), float("-inf"))
+            row_max = tl.max(z, 1)
+            row_sum = tl.sum(tl.exp(z - row_max[:, None]), 1)
         rows = m0 + tl.arange(0, BM)
         stat = rows.to(tl.int64) * grid_n + pid_n
         tl.store(max_ptr + stat, row_max, mask=rows < M)
         tl.store(sum_ptr + stat, row_sum, mask=rows < M)
+
+
+# Rows of a tile whose max z lies in [EXP_LOW, EXP_HIGH] store exp(z) (STORE_EXP): at e^60 float32 keeps a
+# factor e^28 of headroom below overflow for the sums, at e^-80 the tile's largest terms are normal floats.
+# Beyond, a row stores exp(z - max) instead and its lse says so to the caller (``exp_rows_triton``).
+EXP_HIGH = tl.constexpr(60.0)
+EXP_LOW = tl.constexpr(-80.0)
+
+
+@triton.jit
+def _store_exp(acc, cols, out_desc, m0, n0, N, inv_temp):
+    """Store e = exp(z - shift), z = acc / T unrounded and shift = 0 unless the row's tile max lies outside
+    [EXP_LOW, EXP_HIGH] (then the max), and return each row's tile max of z and sum of exp(z - max): one
+    exp per logit, no branch that would stall the tile loop."""
+    z = tl.where(cols[None, :] < N, acc * inv_temp, float("-inf"))
+    row_max = tl.max(z, 1)
+    shift = tl.where((row_max > EXP_HIGH) | (row_max < EXP_LOW), row_max, 0.0)
+    e = tl.exp(z - shift[:, None])
+    out_desc.store([m0, n0], e.to(out_desc.dtype))
+    return row_max, tl.sum(e, 1) * tl.exp(shift - row_max)
 
 
 def num_tiles(vocab: int) -> int:
@@ -137,15 +161,19 @@ def logits_with_tile_stats(
     tile_max: torch.Tensor,
     tile_sum: torch.Tensor,
     opts: LossOptions,
+    store_exp: bool = False,
 ) -> None:
     """out = x_c @ weight^T (+ bias), and per row and tile of ``block_n`` columns the max and sum of
-    exp(z - max) of the logits z after temperature and softcap.
+    exp(z - max) of the logits z after temperature and softcap. With ``store_exp`` (no softcap), out =
+    exp(z) instead (exp(z - tile max) in rows whose tile max lies outside [EXP_LOW, EXP_HIGH]), from z
+    unrounded, and the statistics are those of the unrounded z (``exp_logits.py``).
 
     Shapes: x_c (n, H), weight (V, H), bias (V,) or None, out (n, V) in x_c's dtype,
     tile_max / tile_sum (n, num_tiles(V)) float32 contiguous. Check ``supported`` first.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    assert not (store_exp and opts.softcap is not None), "store_exp takes no softcap"
     n, hidden = x_c.shape
     vocab = weight.shape[0]
     config = TILE  # read at call time: tests shrink it for the interpreter
@@ -165,6 +193,7 @@ def logits_with_tile_stats(
         float(opts.softcap or 1.0),
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=opts.softcap is not None,
+        STORE_EXP=store_exp,
         BM=bm,
         BN=bn,
         BK=bk,

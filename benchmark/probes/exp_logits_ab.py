@@ -1,0 +1,74 @@
+"""Probe: the exp-logits path (exp_logits.py) on and off, as a training loop runs it. Per shape, rounds of
+``--steps`` back-to-back fwd+bwd steps of each variant (one sync per block of steps, fresh leaves each
+step, the variants alternating per round), reported as the median ms per step over rounds, next to the
+floor (three cuBLAS GEMMs) timed the same way. GPU only:
+
+    PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import flce
+from flce import exp_logits
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="1024x4096x128256,4096x4096x128256,8192x4096x128256,8192x2048x32000")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=10)
+    a = p.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    for spec in a.shapes.split(","):
+        bt, hidden, vocab = map(int, spec.split("x"))
+        x = torch.randn(bt, hidden, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(vocab, hidden, device="cuda") * 2 / hidden**0.5).bfloat16()
+        t = torch.randint(0, vocab, (bt,), device="cuda")
+        logits = torch.empty(bt, vocab, device="cuda", dtype=torch.bfloat16)
+
+        def floor():
+            torch.mm(x, w.t(), out=logits)
+            torch.mm(logits, w)
+            torch.mm(logits.t(), x)
+
+        def flce_step():
+            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+            torch.autograd.grad(flce.linear_cross_entropy(xl, wl, t), (xl, wl))
+
+        def variant(min_rows):
+            def run():
+                keep, exp_logits.MIN_ROWS = exp_logits.MIN_ROWS, min_rows
+                try:
+                    flce_step()
+                finally:
+                    exp_logits.MIN_ROWS = keep
+            return run
+
+        fns = {"floor": floor, "flce": variant(exp_logits.MIN_ROWS), "flce, exp-logits off": variant(1 << 62)}
+        times = {k: [] for k in fns}
+        for r in range(a.rounds + 1):
+            order = list(fns) if r % 2 else list(fns)[::-1]
+            for name in order:
+                fn = fns[name]
+                fn()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(a.steps):
+                    fn()
+                torch.cuda.synchronize()
+                if r:
+                    times[name].append((time.perf_counter() - start) * 1e3 / a.steps)
+        base = statistics.median(times["floor"])
+        for name, v in times.items():
+            ms = statistics.median(v)
+            print(f"{spec} {name:22s} {ms:8.3f} ms  x_floor {ms / base:.3f}  (rounds {min(v):.3f}-{max(v):.3f})",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""The exp-logits path (exp_logits.py, kernels/exp_rows_triton.py, logits_triton's store_exp): loss and
+every gradient against float64 for each option it takes, the fallback when rows leave the window, and
+which calls take it.
+
+On the CPU it runs under TRITON_INTERPRET=1 with small tiles and in float16 (the interpreter reads bf16
+through tensor descriptors wrongly), with a window that float16's narrow range allows and logits that fit
+it. On a Hopper GPU it runs in bf16, as users get it."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from reference import TOL, assert_close, reference_loss
+
+import flce
+from flce import exp_logits
+from flce.kernels import triton_available
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="triton cannot run here")
+
+lt = pytest.importorskip("flce.kernels.logits_triton")
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+DTYPE = torch.bfloat16 if ON_HOPPER else torch.float16
+FP16_WINDOW = (-4.0, 8.0)  # exp(8) * V stays far below float16's 65504; exp(-lse) / rows above its normals
+
+
+@pytest.fixture
+def path(monkeypatch):
+    """Let the path run on small shapes (and under the interpreter in float16); record the calls that
+    take it and those that fall back in backward."""
+    monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
+    monkeypatch.setattr(lt, "MIN_ROWS", 8)
+    monkeypatch.setattr(exp_logits, "MIN_ROWS", 8)
+    monkeypatch.setattr(exp_logits, "WINDOWS", {**exp_logits.WINDOWS, torch.float16: FP16_WINDOW})
+    monkeypatch.setattr(exp_logits, "_cool_down", {})
+    if not ON_HOPPER:
+        monkeypatch.setattr(lt, "TILE", lt.TileConfig(32, 64, 16, 2, 4, 4))
+    seen = SimpleNamespace(taken=[], fell_back=[], pending=[])
+    forward, standard = exp_logits.forward_chunk, exp_logits._standard
+
+    def counted_forward(*a, **k):
+        seen.taken.append(1)
+        seen.pending.append(forward(*a, **k))
+        return seen.pending[-1]
+    monkeypatch.setattr(exp_logits, "forward_chunk", counted_forward)
+    monkeypatch.setattr(exp_logits, "_standard", lambda *a, **k: seen.fell_back.append(1) or standard(*a, **k))
+    return seen
+
+
+def case(n=40, hidden=32, vocab=120, scale=1.0, bias=False, weight_cls=False, ignore=0.0, ignore_index=-100,
+         dtype=DTYPE):
+    """Fresh random inputs (vocab 120: a partial last tile of the small test tiles); logits of about
+    ``scale`` standard deviations. The bias is frozen (a bias gradient takes the standard path)."""
+    x = torch.randn(n, hidden, device=DEVICE).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=DEVICE) * scale / hidden**0.5).to(dtype).requires_grad_()
+    b = (torch.randn(vocab, device=DEVICE) * 0.5).to(dtype) if bias else None
+    t = torch.randint(0, vocab, (n,), device=DEVICE)
+    if ignore:
+        t[torch.rand(n, device=DEVICE) < ignore] = ignore_index
+    cw = torch.rand(vocab, device=DEVICE) + 0.2 if weight_cls else None
+    return x, w, b, t, cw
+
+
+def run_and_compare(x, w, b, t, cw, reduction="mean", grad_out=1.7, tol=None, **opts):
+    """flce's loss and gradients against float64 (eager cross-entropy on float64 copies)."""
+    loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, reduction=reduction, backend="triton", **opts)
+    ref, (x64, w64, _) = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, reduction=reduction, **opts)
+    tol = tol or TOL[x.dtype]
+    assert_close(loss, ref, tol, "loss")
+    loss.backward(torch.tensor(grad_out, device=loss.device))
+    ref.backward(torch.tensor(grad_out, dtype=torch.float64, device=ref.device))
+    for name, got, want in (("grad_input", x.grad, x64.grad), ("grad_weight", w.grad, w64.grad)):
+        if want is not None:
+            assert got.dtype == x.dtype, name
+            assert_close(got, want, tol, name)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("opts", [
+    {},
+    {"temperature": 1.3},
+    {"weight_cls": True},
+    {"ignore": 0.25, "ignore_index": 3},
+    {"bias": True, "weight_cls": True, "ignore": 0.3, "temperature": 0.8},
+])
+def test_matches_float64(path, reduction, opts):
+    opts = dict(opts)
+    inputs = case(**{k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts},
+                  ignore_index=opts.get("ignore_index", -100))
+    run_and_compare(*inputs, reduction=reduction, **opts)
+    assert path.taken == [1] and path.fell_back == []
+
+
+def test_confident_and_repeated_targets(path):
+    """Both ways of the one-hot term: rows whose target holds p_y >= 1/2 (folded into e) and the others
+    (subtracted apart, runs of rows with one target summed together), and ignored rows among them."""
+    x, w, _, t, _ = case(scale=0.3, ignore=0.2)
+    b = torch.zeros(w.shape[0], device=DEVICE)
+    b[[7, 11]] = 5.5  # exp(5.5) against ~120 terms of about 1: p_y ~ 2/3 for these targets
+    b = b.to(x.dtype)
+    t[:12] = 7
+    t[12:16] = 11
+    t[16:24] = 3  # a run of a non-confident target
+    run_and_compare(x, w, b, t, None, reduction="sum")  # float16 keeps x * exp(-lse) normal without 1/rows
+    assert path.taken == [1] and path.fell_back == []
+    apart = path.pending[0].target_coef[t != -100] != 0
+    assert apart.any() and not apart.all()  # both ways taken
+
+
+@pytest.mark.parametrize("wanted", ["input", "weight"])
+def test_one_gradient_wanted(path, wanted):
+    x, w, b, t, cw = case()
+    (w if wanted == "input" else x).requires_grad_(False)
+    run_and_compare(x, w, b, t, cw)
+    assert path.taken == [1]
+    assert (x.grad is None) == (wanted == "weight") and (w.grad is None) == (wanted == "input")
+
+
+def test_rows_of_a_wider_tensor(path):
+    """x and W as column slices of wider tensors (row strides beyond H): the row kernel's dot and the
+    backward row scale follow the strides."""
+    x, w, _, t, _ = case(hidden=32)
+    xw = torch.randn(x.shape[0], 48, device=DEVICE).to(x.dtype)
+    ww = torch.randn(w.shape[0], 48, device=DEVICE).to(x.dtype)
+    xw[:, :32], ww[:, :32] = x.detach(), w.detach()
+    xs, ws = xw[:, :32].requires_grad_(), ww[:, :32].requires_grad_()
+    run_and_compare(xs, ws, None, t, None)
+    assert path.taken == [1]
+
+
+def test_rows_out_of_the_window_fall_back(path, monkeypatch):
+    """Logits far beyond the window: e overflows, forward's loss is still right (its statistics are
+    computed safely), backward recomputes through the standard path (so its gradients are the standard
+    path's: at such logits the rounding of stored 16-bit logits dominates), and the device then takes the
+    standard path for COOL_DOWN calls."""
+    x, w, b, t, cw = case(scale=40.0 if DTYPE == torch.float16 else 150.0)
+    loss = flce.linear_cross_entropy(x, w, t, backend="triton")
+    ref, _ = reference_loss(x, w, t)
+    assert_close(loss, ref, 1e-5, "loss")
+    loss.backward()
+    assert path.taken == [1] and path.fell_back == [1]
+    assert exp_logits._cool_down[x.device] == exp_logits.COOL_DOWN
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    flce.linear_cross_entropy(x2, w2, t, backend="triton").backward()
+    assert path.taken == [1]  # the cool-down: the standard path from the start
+    assert exp_logits._cool_down[x.device] == exp_logits.COOL_DOWN - 1
+    # The same computation up to where grad_output is applied: within a tenth of the dtype's tolerance.
+    assert_close(x.grad, x2.grad.double(), TOL[x.dtype] / 10, "grad_input")
+    assert_close(w.grad, w2.grad.double(), TOL[x.dtype] / 10, "grad_weight")
+
+
+def test_ignored_rows_out_of_the_window_fall_back(path):
+    """An ignored row contributes nothing, but its exponentials enter the GEMMs: out of the window it
+    must fall back too (0 * inf would be NaN)."""
+    x, w, b, t, cw = case()
+    with torch.no_grad():
+        x[5] *= 60.0 if DTYPE == torch.float16 else 600.0
+    t[5] = -100
+    run_and_compare(x, w, b, t, cw)
+    assert path.taken == [1] and path.fell_back == [1]
+    assert torch.isfinite(x.grad).all() and (x.grad[5] == 0).all()
+
+
+def test_a_tile_far_below_the_rest_falls_back(path):
+    """A tile whose logits all lie below logits_triton.EXP_LOW is stored shifted by its max: every row
+    holding one falls back, whatever its lse."""
+    block = lt.TILE.block_n
+    x, w, _, t, _ = case(vocab=block + 56)
+    b = torch.zeros(w.shape[0], device=DEVICE)
+    b[block:] = -200.0  # the second, last tile
+    b = b.to(x.dtype)
+    t.clamp_(max=block - 1)
+    run_and_compare(x, w, b, t, None)
+    assert path.taken == [1] and path.fell_back == [1]
+
+
+@pytest.mark.parametrize("opts", [
+    {"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0}, {"reduction": "none"}, {"chunk_size": 16},
+    {"bias_grad": True}, {"return_stats": True}, {"dtype": torch.float32},
+])
+def test_standard_path_where_it_does_not_apply(path, opts):
+    opts = dict(opts)
+    x, w, b, t, cw = case(bias=opts.pop("bias_grad", False), dtype=opts.pop("dtype", DTYPE))
+    if b is not None:
+        b.requires_grad_()
+    out = flce.linear_cross_entropy(x, w, t, linear_bias=b, backend="triton", **opts)
+    loss = out[0] if isinstance(out, tuple) else out
+    loss.sum().backward()
+    assert path.taken == []
+
+
+def test_small_batches_keep_their_path(path, monkeypatch):
+    monkeypatch.setattr(exp_logits, "MIN_ROWS", 1024)
+    x, w, b, t, cw = case()
+    flce.linear_cross_entropy(x, w, t, backend="triton").backward()
+    assert path.taken == []
+
+
+def test_unchecked_bad_target_gives_nan_not_a_number(path):
+    x, w, b, t, cw = case()
+    t[4] = w.shape[0] + 3
+    loss = flce.linear_cross_entropy(x, w, t, backend="triton", validate_target=False)
+    loss.backward()
+    assert path.taken == [1] and torch.isnan(loss) and torch.isnan(x.grad[4]).all()
+
+
+def test_in_place_change_after_forward_raises(path):
+    x, w, b, t, cw = case()
+    loss = flce.linear_cross_entropy(x, w, t, backend="triton")
+    with torch.no_grad():
+        w.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    assert path.taken == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 1024, 32000), (2048, 4096, 128256)])
+def test_gpu_default_path_real_shapes(shape):
+    """bf16 at real sizes with flce's own thresholds (no patching): the path runs, and its gradients are
+    as close to float64 as the standard path's."""
+    if not ON_HOPPER:
+        pytest.skip("the path needs Hopper")
+    n, hidden, vocab = shape
+    x, w, b, t, cw = case(n, hidden, vocab, scale=3.0, ignore=0.1, dtype=torch.bfloat16)
+    errors = {}
+    for name, rows in (("exp", exp_logits.MIN_ROWS), ("standard", 1 << 62)):
+        exp_logits.MIN_ROWS, keep = rows, exp_logits.MIN_ROWS
+        try:
+            xs, ws = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+            loss = flce.linear_cross_entropy(xs, ws, t)
+            loss.backward()
+        finally:
+            exp_logits.MIN_ROWS = keep
+        ref, (x64, w64, _) = reference_loss(xs, ws, t)
+        ref.backward()
+        errors[name] = [((g.double() - r).norm() / r.norm()).item()
+                        for g, r in ((xs.grad, x64.grad), (ws.grad, w64.grad))]
+        assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())
+    for got, standard in zip(errors["exp"], errors["standard"]):
+        assert got <= 1.5 * standard + 1e-4, errors
