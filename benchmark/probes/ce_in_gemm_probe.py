@@ -12,7 +12,10 @@ Today's step instead writes z, makes one CE pass (1 read + 1 write of every logi
 H200 at 8192 x 4096 x 128256) and runs cuBLAS for both backward GEMMs. The probe times each piece
 against its cuBLAS counterpart, the whole sequence against the three cuBLAS GEMMs (the floor) and
 against flce's step, and checks loss and gradients against float32. Mean reduction, no options: it
-measures the ceiling, it is not a product path. GPU only (``--small`` checks the arithmetic on the CPU
+measures the ceiling, it is not a product path. Result (H200, `results/2026-11-24-h200-dcb7d1d/
+ce_in_gemm_2e212d7.txt`): the same Triton GEMM without the prologue 12.49 ms against cuBLAS 12.36, with it
+26.5-27.0 ms (grad_W 27.0); the step 1.85x the floor against flce's 1.06: Triton 3.6's register-operand
+wgmma does not hide the prologue. The route that worked scales rows instead (``row_scaled_exp_probe.py``). GPU only (``--small`` checks the arithmetic on the CPU
 under TRITON_INTERPRET=1, in float16):
 
     PYTHONPATH=src:benchmark python benchmark/probes/ce_in_gemm_probe.py [--rows 8192]

@@ -1,7 +1,9 @@
 """Probe: the exp-logits path (exp_logits.py) on and off, as a training loop runs it. Per shape, rounds of
 ``--steps`` back-to-back fwd+bwd steps of each variant (one sync per block of steps, fresh leaves each
 step, the variants alternating per round), reported as the median ms per step over rounds, next to the
-floor (three cuBLAS GEMMs) timed the same way. GPU only:
+floor (three cuBLAS GEMMs) timed the same way. Results: `results/2026-11-24-h200-dcb7d1d/exp_logits_ab.txt`
+(H200) and `results/2026-11-24-h100-c4f27ea/exp_logits_ab_dcb7d1d.txt` (H100): at dcb7d1d 8192 rows 1.017
+against 1.024 (H200) and 1.015 against 1.029 (H100), 8192 x 2048 x 32000 1.059 / 1.072 and 1.064 / 1.084. GPU only:
 
     PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7]
 """

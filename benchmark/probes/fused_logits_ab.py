@@ -3,15 +3,19 @@ how its CE kernel's one read should be launched. GPU only:
 
     PYTHONPATH=src:benchmark python benchmark/probes/fused_logits_ab.py [--shapes 8192x4096x128256,...]
 
-Part 1, per shape, interleaved (common.measure_interleaved): the floor, flce, flce with the fused GEMM
-switched off (cuBLAS logits + the two-pass CE kernel, as before 6de0f32), and flce with the given
-``--chunk-rows`` (larger chunks: fewer read-modify-writes of the float32 accumulator).
+Part 1, per shape, interleaved (common.measure_interleaved): the floor, flce, flce with the exp-logits path
+off (``exp_logits.py``), flce with the fused GEMM switched off too (cuBLAS logits + the two-pass CE kernel,
+as before 6de0f32), with ``--group`` a wider grouped tile order, and flce with the given ``--chunk-rows``
+(larger chunks: fewer read-modify-writes of the float32 accumulator). ``--part3``: the logits GEMM alone,
+storing logits or exp(logits).
 Part 2: the CE kernel alone on 4096 x 128256 bf16 with tile statistics, over launch configurations.
 Results (`results/2026-11-24-h100-c4f27ea/`: `fused_logits_ab_6de0f32.txt`, `chunk_rows_ab_7c5054c.txt`,
-`planner_6144_ab_7c5054c.txt`; `results/2026-11-24-h200-c4ab6d4/fused_logits_ab_6de0f32.txt`): the fused GEMM took
+`planner_6144_ab_7c5054c.txt`; `results/2026-11-24-h200-dcb7d1d/fused_logits_ab_6de0f32.txt`): the fused GEMM took
 2.1 ms off 32768 rows on both GPUs (H100 1.077 -> 1.062x, H200 1.068 -> 1.054x) and ~0.3 ms off 8192 on
 the H200; 6144-row chunks another 0.7-1.2 ms on the H100, 5504-row chunks cost 3 ms; the CE's one pass
-runs at 2.7 TB/s (H100) / 3.6 (H200) whatever the launch shape, so the default launch stays.
+runs at 2.7 TB/s (H100) / 3.6 (H200) whatever the launch shape, so the default launch stays. A grouped
+order of 16 reads as 8 (`path_group_ab_2e212d7.txt`); `store_exp` costs the GEMM nothing
+(`fused_logits_ab_exp_dcb7d1d.txt`, both in `results/2026-11-24-h200-dcb7d1d/`).
 """
 from __future__ import annotations
 
