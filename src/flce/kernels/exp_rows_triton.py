@@ -43,10 +43,10 @@ def _lowest(max_ptr, n_tiles, BLOCK_T: tl.constexpr):
 
 @triton.jit
 def _exp_rows_kernel(e_ptr, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr, tile_max_ptr,
-                     tile_sum_ptr, loss_ptr, lse_ptr, coef_ptr, target_coef_ptr, key_ptr, counts_ptr, total_ptr, scale_ptr, miss_ptr, n_rows,
-                     V, H, n_tiles, ignore_index, inv_temp, lse_lo, lse_hi, HAS_BIAS: tl.constexpr,
-                     HAS_WEIGHT: tl.constexpr, MEAN_BY_COUNT: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_T: tl.constexpr):
+                     tile_sum_ptr, loss_ptr, lse_ptr, coef_ptr, target_coef_ptr, key_ptr, counts_ptr, total_ptr,
+                     scale_ptr, miss_ptr, n_rows, V, H, n_tiles, ignore_index, inv_temp, lse_lo, lse_hi,
+                     HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, MEAN_BY_COUNT: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
     n_valid = tl.zeros((), dtype=tl.int64)
     n_bad = tl.zeros((), dtype=tl.int64)
     misses = tl.zeros((), dtype=tl.int32)
