@@ -55,7 +55,7 @@ TINY = {
     "n_mamba_heads": 8,
     **dict.fromkeys(("q_lora_rank", "kv_lora_rank", "qk_head_dim", "mamba_d_state", "state_size",
                      "mamba_chunk_size", "chunk_size", "mamba_dt_rank", "time_step_rank", "o_lora_rank"), 16),
-    **dict.fromkeys(("vocab_size", "vocab_size_per_layer_input", "decoder_vocab_size"), VOCAB),
+    **dict.fromkeys(("vocab_size", "vocab_size_per_layer_input", "decoder_vocab_size", "unpadded_vocab_size"), VOCAB),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "top_k_experts"), 2),
     **dict.fromkeys(("n_group", "topk_group", "num_expert_group", "n_shared_experts", "num_shared_experts",
@@ -82,6 +82,9 @@ OVERRIDES: dict[str, dict] = {
     "codegen": {"rotary_dim": 4},
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
     "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},
+    # Dory's dict form counts an attention and an mlp block per layer: 3 layers, 1 in each part.
+    "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2, "n_output_layers": 2,
+             "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]},
     "dots3_note": {"text_config.head_dim": 16, "vision_config.adapter_in_dim": 32, "vision_config.adapter_out_dim": 32,
                    "audio_config.adapter_input_size": 32, "audio_config.adapter_out_dim": 32,
                    "audio_config.downsample_hidden_size": 32},

@@ -17,7 +17,8 @@ RECORDED_ON = RECORDED.get("_transformers")
 SAME_RELEASE = RECORDED_ON == transformers.__version__
 REGENERATE = "regenerate tests/zoo_verdicts.json and docs/supported_models.md with `python tests/hf_zoo.py`"
 TRITON_SAMPLE = ["llama", "gemma2", "cohere", "granite", "bert", "inkling2_text"]  # plain, softcap, scale,
-# division, a bias and a transformed head input, a vocabulary slice after a softcap
+# division, a bias and a transformed head input, a softcap on float32 logits (before transformers 5.24: of a
+# vocabulary slice)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -42,9 +42,9 @@ MIN_ROWS = 1024
 # above bf16's smallest normal (e^-87). Tests add float16 with its narrow range.
 WINDOWS: dict[torch.dtype, tuple[float, float]] = {torch.bfloat16: (-40.0, 60.0)}
 COOL_DOWN = 64
-# Rows per float32 grad_input product in a chunk of several (16 MiB at H 4096): the chunk loop's memory stays
-# what the planner allows.
-PRODUCT_ROWS = 1024
+# Bytes of a float32 grad_input product in a chunk of several (1024 rows at H 4096, 4096 at H 1024): the
+# chunk loop's memory stays within what the planner allows.
+PRODUCT_BYTES = 16 << 20
 _cool_down: dict[torch.device, int] = {}  # device -> calls left on the standard path after a miss
 
 
@@ -138,7 +138,7 @@ def chunk_grads(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, t
     grad_weight (V, H) written or accumulated (its dtype, float32 across chunks), all times the 0-d
     ``grad_scale``; rows outside the window counted into ``misses``. e: the chunk's (n, V) buffer. The
     grad_input rows hold x * a first, the operand of the weight-gradient GEMM, so nothing else is allocated
-    but PRODUCT_ROWS rows of float32 product."""
+    but PRODUCT_BYTES of float32 product."""
     from .kernels import logits_triton
     from .kernels.exp_rows_triton import exp_rows, row_scale, subtract_target_rows
 
@@ -155,8 +155,9 @@ def chunk_grads(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, t
         mm_into(grad_weight, e.t(), xs, accumulate=accumulate)
         subtract_target_rows(grad_weight, x_c, keys, coef[1], grad_scale)
     if grad_input is not None:
-        for r0 in range(0, n, PRODUCT_ROWS):
-            r = slice(r0, min(n, r0 + PRODUCT_ROWS))
+        step = max(256, PRODUCT_BYTES // (4 * x_c.shape[1]))
+        for r0 in range(0, n, step):
+            r = slice(r0, min(n, r0 + step))
             row_scale(mm_new(e[r], w, torch.float32), coef[0][r], grad_scale, grad_input[r],
                       (w, target[r], coef[1][r]))
 

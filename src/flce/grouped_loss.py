@@ -193,7 +193,7 @@ def grouped_chunk_loop(
     Per-token outputs have the target's shape; gradients the shapes of x, weight and bias. With a
     per-token grad_scale, ``parts.total`` is the sum of the tokens' losses times their scales.
     """
-    opts, plan, compute_dtype, backend, want_correct, _, _ = spec  # the grouped loss never passes counts
+    opts, plan, compute_dtype, backend, want_correct = spec[:5]  # the grouped loss never passes counts
 
     def gm(t: torch.Tensor) -> torch.Tensor:
         return group_major_view(t, plan.group_major)
