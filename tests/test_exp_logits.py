@@ -36,12 +36,8 @@ def path(monkeypatch):
     monkeypatch.setattr(exp_logits, "_cool_down", {})
     if not ON_HOPPER:
         monkeypatch.setattr(lt, "TILE", lt.TileConfig(32, 64, 16, 2, 4, 4))
-    seen = SimpleNamespace(taken=[], fell_back=[], pending=[], chunks=[], missed=[])
-    forward, standard, chunk = exp_logits.forward_chunk, exp_logits._standard, exp_logits.chunk_grads
-    missed = exp_logits.WindowCheck.missed
-    monkeypatch.setattr(exp_logits, "chunk_grads", lambda *a, **k: seen.chunks.append(1) or chunk(*a, **k))
-    monkeypatch.setattr(exp_logits.WindowCheck, "missed",
-                        lambda self: seen.missed.append(missed(self)) or seen.missed[-1])
+    seen = SimpleNamespace(taken=[], fell_back=[], pending=[])
+    forward, standard = exp_logits.forward_chunk, exp_logits._standard
 
     def counted_forward(*a, **k):
         seen.taken.append(1)
@@ -69,7 +65,6 @@ def case(n=40, hidden=32, vocab=120, scale=1.0, bias=False, weight_cls=False, ig
 def run_and_compare(x, w, b, t, cw, reduction="mean", grad_out=1.7, tol=None, **opts):
     """flce's loss and gradients against float64 (eager cross-entropy on float64 copies)."""
     loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, reduction=reduction, backend="triton", **opts)
-    opts.pop("chunk_size", None)
     ref, (x64, w64, _) = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, reduction=reduction, **opts)
     tol = tol or TOL[x.dtype]
     assert_close(loss, ref, tol, "loss")
@@ -181,8 +176,8 @@ def test_a_tile_far_below_the_rest_falls_back(path):
 
 
 @pytest.mark.parametrize("opts", [
-    {"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0}, {"reduction": "none"},
-    {"bias_grad": True}, {"return_stats": True}, {"dtype": torch.float32}, {"chunk_size": 16, "z_loss": 1e-3},
+    {"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0}, {"reduction": "none"}, {"chunk_size": 16},
+    {"bias_grad": True}, {"return_stats": True}, {"dtype": torch.float32},
 ])
 def test_standard_path_where_it_does_not_apply(path, opts):
     opts = dict(opts)
@@ -192,49 +187,7 @@ def test_standard_path_where_it_does_not_apply(path, opts):
     out = flce.linear_cross_entropy(x, w, t, linear_bias=b, backend="triton", **opts)
     loss = out[0] if isinstance(out, tuple) else out
     loss.sum().backward()
-    assert path.taken == [] and path.chunks == []
-
-
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("opts", [{}, {"bias": True, "weight_cls": True, "ignore": 0.3, "temperature": 0.8}])
-def test_several_chunks_match_float64(path, reduction, opts):
-    """Chunks of 16 rows (the last of 8): each takes the path in forward, the weight gradient summed in
-    float32 across them; backward asks the window count and keeps the gradients."""
-    opts = dict(opts)
-    inputs = case(**{k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts})
-    run_and_compare(*inputs, reduction=reduction, chunk_size=16, **opts)
-    assert path.taken == [] and path.chunks == [1, 1, 1] and path.missed == [False]
-
-
-@pytest.mark.parametrize("wanted", ["input", "weight"])
-def test_several_chunks_one_gradient_wanted(path, wanted):
-    x, w, b, t, cw = case()
-    (w if wanted == "input" else x).requires_grad_(False)
-    run_and_compare(x, w, b, t, cw, chunk_size=16)
-    assert path.chunks == [1, 1, 1]
-    assert (x.grad is None) == (wanted == "weight") and (w.grad is None) == (wanted == "input")
-
-
-def test_several_chunks_out_of_the_window_run_the_loop_again(path):
-    """A row beyond the window in the second chunk: backward runs the standard chunk loop again (its
-    gradients then are the standard path's), and the device takes the standard path for a while."""
-    x, w, b, t, cw = case()
-    with torch.no_grad():
-        x[20] *= 40.0 if DTYPE == torch.float16 else 400.0
-    loss = flce.linear_cross_entropy(x, w, t, backend="triton", chunk_size=16)
-    loss.backward()
-    assert path.chunks == [1, 1, 1] and path.missed == [True]
-    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    flce.linear_cross_entropy(x2, w2, t, backend="triton", chunk_size=16).backward()
-    assert path.chunks == [1, 1, 1]  # the cool-down
-    assert_close(x.grad, x2.grad.double(), TOL[x.dtype] / 10, "grad_input")
-    assert_close(w.grad, w2.grad.double(), TOL[x.dtype] / 10, "grad_weight")
-
-
-def test_low_memory_mode_keeps_its_path(path):
-    x, w, b, t, cw = case()
-    flce.linear_cross_entropy(x, w, t, backend="triton", low_memory=True).backward()
-    assert path.taken == [] and path.chunks == []
+    assert path.taken == []
 
 
 def test_small_batches_keep_their_path(path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The path that stores exp(logits) instead of the logits (Hopper, bf16): no CE pass.
+"""The single-chunk path that stores exp(logits) instead of the logits (Hopper, bf16): no CE pass.
 
 The logits GEMM's epilogue stores e = exp(z), z = (x @ W^T + b) / T unrounded, with its tile statistics
 (``kernels/logits_triton.py``, ``store_exp``). bf16 has float32's exponent range, so e keeps every term
@@ -15,14 +15,10 @@ Nothing reads or writes the logits between the GEMMs: the CE pass of the standar
 every logit, ~1.2 ms at 8192 x 128256 on an H200) is gone, and the gradients come from the unrounded
 logits (the standard path's softmax is that of the bf16-rounded logits, as eager's is).
 
-With several chunks (``chunk_grads``) forward runs the same per chunk, the weight gradient summed in float32
-as on the standard path.
-
 Out of the window a row's e may have overflowed or flushed. Forward's loss is right anyway (the statistics
-are computed safely); backward queues its GEMMs (a single chunk), then waits for the count of such rows
-(as the target check does) and, if any, recomputes the gradients through the standard path (several
-chunks: it runs the standard chunk loop again). The device then takes the standard path for its next
-``COOL_DOWN`` calls. Options that need every logit (label smoothing, z-loss,
+are computed safely); backward queues its GEMMs, then waits for the count of such rows (as the target
+check does) and, if any, recomputes the gradients through the standard path. The device then takes the
+standard path for its next ``COOL_DOWN`` calls. Options that need every logit (label smoothing, z-loss,
 softcap, accuracy, a bias gradient) and reduction='none' take the standard path.
 """
 
@@ -32,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gemm import mm_into, mm_new
+from .gemm import mm_new
 from .options import LossOptions
 
 # Fewest rows: below, the pass saved is short and the path's own launches weigh more (small batches).
@@ -42,13 +38,10 @@ MIN_ROWS = 1024
 # above bf16's smallest normal (e^-87). Tests add float16 with its narrow range.
 WINDOWS: dict[torch.dtype, tuple[float, float]] = {torch.bfloat16: (-40.0, 60.0)}
 COOL_DOWN = 64
-# Bytes of a float32 grad_input product in a chunk of several (1024 rows at H 4096, 4096 at H 1024): the
-# chunk loop's memory stays within what the planner allows.
-PRODUCT_BYTES = 16 << 20
 _cool_down: dict[torch.device, int] = {}  # device -> calls left on the standard path after a miss
 
 
-class WindowCheck:
+class _WindowCheck:
     """The count of rows outside the window, copied to the host in the background."""
 
     def __init__(self, misses: torch.Tensor) -> None:
@@ -81,13 +74,13 @@ class PendingExp:
     x: torch.Tensor | None  # (n, H) in the compute dtype
     w: torch.Tensor | None  # (V, H) in the compute dtype
     scale: torch.Tensor  # 0-d: the reduction's scale
-    check: WindowCheck
+    check: _WindowCheck
     redo: tuple  # (bias, class_weight, weight_sum, opts): what the standard path needs besides
 
 
 def applies(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, needs: tuple[bool, bool, bool],
             grad_scale: torch.Tensor | None, opts: LossOptions, want_correct: bool, backend: str) -> bool:
-    """Whether a call takes this path, asked with its first chunk x_c (see the module docstring)."""
+    """Whether a single deferred chunk takes this path (see the module docstring)."""
     if backend != "triton" or x_c.shape[0] < MIN_ROWS or x_c.dtype not in WINDOWS or want_correct:
         return False
     if opts.label_smoothing > 0.0 or opts.z_loss > 0.0 or opts.softcap is not None:
@@ -126,40 +119,8 @@ def forward_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     keys, misses = ints[:n], ints[n:]
     exp_rows(e, x_c, w, bias, target, class_weight, (stats[0], stats[1]), loss, lse, coef[0], coef[1], keys, misses,
              opts, WINDOWS[x_c.dtype], counts, total, grad_scale if counts is not None else None)
-    return PendingExp(e, coef[0], coef[1], keys, target, x_c, w, grad_scale, WindowCheck(misses),
+    return PendingExp(e, coef[0], coef[1], keys, target, x_c, w, grad_scale, _WindowCheck(misses),
                       (bias, class_weight, weight_sum, opts))
-
-
-def chunk_grads(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-                loss: torch.Tensor, lse: torch.Tensor, class_weight: torch.Tensor | None, grad_scale: torch.Tensor,
-                opts: LossOptions, e: torch.Tensor, misses: torch.Tensor, grad_input: torch.Tensor | None,
-                grad_weight: torch.Tensor | None, accumulate: bool) -> None:
-    """One of several chunks in forward: loss and lse (n,) written, grad_input rows (n, H) written and
-    grad_weight (V, H) written or accumulated (its dtype, float32 across chunks), all times the 0-d
-    ``grad_scale``; rows outside the window counted into ``misses``. e: the chunk's (n, V) buffer. The
-    grad_input rows hold x * a first, the operand of the weight-gradient GEMM, so nothing else is allocated
-    but PRODUCT_BYTES of float32 product."""
-    from .kernels import logits_triton
-    from .kernels.exp_rows_triton import exp_rows, row_scale, subtract_target_rows
-
-    n, vocab = x_c.shape[0], w.shape[0]
-    stats = torch.empty(2, n, logits_triton.num_tiles(vocab), dtype=torch.float32, device=x_c.device)
-    logits_triton.logits_with_tile_stats(x_c, w, bias, e, stats[0], stats[1], opts, store_exp=True)
-    coef = torch.empty(2, n, dtype=torch.float32, device=x_c.device)
-    keys = torch.empty(n, dtype=torch.int32, device=x_c.device)
-    exp_rows(e, x_c, w, bias, target, class_weight, (stats[0], stats[1]), loss, lse, coef[0], coef[1], keys, misses,
-             opts, WINDOWS[x_c.dtype])
-    if grad_weight is not None:
-        scratch = grad_input is not None and grad_input.dtype == x_c.dtype
-        xs = row_scale(x_c, coef[0], grad_scale, grad_input if scratch else torch.empty_like(x_c))
-        mm_into(grad_weight, e.t(), xs, accumulate=accumulate)
-        subtract_target_rows(grad_weight, x_c, keys, coef[1], grad_scale)
-    if grad_input is not None:
-        step = max(256, PRODUCT_BYTES // (4 * x_c.shape[1]))
-        for r0 in range(0, n, step):
-            r = slice(r0, min(n, r0 + step))
-            row_scale(mm_new(e[r], w, torch.float32), coef[0][r], grad_scale, grad_input[r],
-                      (w, target[r], coef[1][r]))
 
 
 def finish(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, g: torch.Tensor, needs: tuple[bool, bool, bool],

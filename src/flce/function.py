@@ -10,9 +10,9 @@ Two exceptions. With a single chunk (small batches) the two gradient GEMMs wait 
 grad_output scales the small operand x_c instead of a whole (V, H) gradient afterwards; for a plain
 mean the CE kernel then also counts the targets and finishes the mean itself (``LoopSpec.counts``). With
 reduction="none" the per-row grad_output is only known in backward, so there the loop runs again.
-On Hopper in bf16 (chunks of 1024 rows or more, the common options) the logits GEMM stores exp(logits)
-instead, a row kernel takes the loss and row coefficients from the GEMM's statistics, and the gradient
-GEMMs run on the exponentials with the rows scaled: no CE pass at all (``exp_logits.py``).
+A single chunk on Hopper in bf16 (1024 rows or more, the common options) goes further: its logits GEMM
+stores exp(logits), a row kernel takes the loss and row coefficients from the GEMM's statistics, and
+backward's GEMMs run on the exponentials with the rows scaled: no CE pass at all (``exp_logits.py``).
 
 Autograd's contracts: what backward reads of the caller's tensors (a single chunk's GEMM operands, or
 every input for reduction="none") goes through ``save_for_backward``, so an in-place change between
@@ -47,7 +47,6 @@ class ChunkGrads:
     input: torch.Tensor | None
     weight: torch.Tensor | None  # in the plan's accumulator dtype
     bias: torch.Tensor | None  # in the math dtype (float32, or float64 for float64 logits)
-    check: exp_logits.WindowCheck | None = None  # chunks on the exp-logits path: backward asks it first
 
 
 @dataclass
@@ -76,8 +75,7 @@ class LoopSpec(NamedTuple):
     compute per-row accuracy (``correct``), and ``counts``: None, or (3,) int64 zeros for a mean over a
     single deferred chunk, which the CE kernel then finishes itself (``kernels.ce_chunk``): it counts
     the targets into them and writes grad_scale (an output then) and the mean. ``entry``: the public
-    function, named in errors. ``exp_logits``: whether chunks may take the exp-logits path
-    (``exp_logits.py``; off for the rerun after rows left its window)."""
+    function, named in errors."""
 
     opts: LossOptions
     plan: ChunkPlan
@@ -86,7 +84,6 @@ class LoopSpec(NamedTuple):
     want_correct: bool = False
     counts: torch.Tensor | None = None
     entry: str = "flce.linear_cross_entropy"
-    exp_logits: bool = True
 
 
 def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool) -> None:
@@ -116,7 +113,7 @@ def chunk_loop(
     x: (n, H); weight: (V, H); bias: (V,) or None; target: (n,) int64. ``defer`` (single chunk only)
     returns the chunk's dlogits instead of running the gradient GEMMs.
     """
-    opts, plan, compute_dtype, backend, want_correct, counts = spec[:6]
+    opts, plan, compute_dtype, backend, want_correct, counts, _ = spec
     n, hidden = x.shape
     vocab = weight.shape[0]
     dev = x.device
@@ -151,23 +148,13 @@ def chunk_loop(
     # One chunk: its GEMM allocates the logits (small batches are launch-bound: one host call fewer).
     buffer = torch.empty(plan.rows, vocab, dtype=compute_dtype, device=dev) if plan.num_chunks > 1 else None
     row_scale = grad and grad_scale.dim() == 1
-    exp = None  # the exp-logits path's window count, once the first chunk takes it
     for i, (start, end) in enumerate(plan.bounds()):
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
         rows = slice(start, end) if end - start < n else slice(None)
         x_c = _as_dtype(_take(x, rows), compute_dtype)
-        if i == 0 and grad and spec.exp_logits and exp_logits.applies(x_c, w, bias, needs, grad_scale, opts,
-                                                                      want_correct, backend):
-            if defer:
-                return parts, exp_logits.forward_chunk(x_c, w, bias, target, parts.loss, parts.lse, parts.total,
-                                                       class_weight, weight_sum, grad_scale, opts, counts)
-            exp = torch.zeros(1, dtype=torch.int32, device=dev)
-        if exp is not None:
-            exp_logits.chunk_grads(x_c, w, bias, _take(target, rows), _take(parts.loss, rows),
-                                   _take(parts.lse, rows), class_weight, grad_scale, opts,
-                                   _take(buffer, slice(None, end - start)), exp, _take(grads.input, rows),
-                                   grads.weight, accumulate=i > 0)
-            continue
+        if defer and exp_logits.applies(x_c, w, bias, needs, grad_scale, opts, want_correct, backend):
+            return parts, exp_logits.forward_chunk(x_c, w, bias, target, parts.loss, parts.lse, parts.total,
+                                                   class_weight, weight_sum, grad_scale, opts, counts)
         logits, tile_stats = chunk_logits(x_c, w, bias, _take(buffer, slice(None, end - start)), opts, backend)
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
                  _take(parts.correct, rows), class_weight, weight_sum,
@@ -175,8 +162,6 @@ def chunk_loop(
         if defer:
             return parts, PendingGrads(dlogits=logits, x=x_c, w=w, scale=None if counts is None else grad_scale)
         gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0)
-    if exp is not None:
-        grads.check = exp_logits.WindowCheck(exp)
     return parts, grads
 
 
@@ -266,9 +251,6 @@ def finish_forward(ctx, parts: LossParts, grads, grad_scale: torch.Tensor | None
         if isinstance(grads, (PendingGrads, PendingExp)):
             ctx.save_for_backward(grads.x, grads.w)
             grads.x = grads.w = None  # backward reads them from saved_tensors only
-        elif grads.check is not None:  # the exp-logits chunks: backward may have to run the loop again
-            ctx.save_for_backward(*saved)
-            ctx.rerun_scale = grad_scale
         else:
             ctx.save_for_backward(weight_as_used)
         ctx.grads = grads
@@ -381,8 +363,6 @@ def _input_grads(ctx, loop, spec: LoopSpec, needs, dtypes, g: torch.Tensor) -> l
     """(input, weight, bias) gradients for grad_output g (0-d, or per row for reduction='none')."""
     grads = take_grads(ctx)
     saved = ctx.saved_tensors  # raises if the caller changed one in place since forward
-    if isinstance(grads, ChunkGrads) and grads.check is not None and grads.check.missed():
-        _, grads = loop(*saved, ctx.rerun_scale, needs, spec._replace(exp_logits=False))  # rows left the window
     if isinstance(grads, PendingExp):
         grads = ChunkGrads(*exp_logits.finish(grads, *saved, g, needs, dtypes), None)
         g = None

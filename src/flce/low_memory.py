@@ -117,9 +117,8 @@ class LowMemoryFunction(torch.autograd.Function):
         if needs[0]:
             fwd_scale = grad_scale if grad_scale is not None else torch.ones(
                 (), dtype=math_dtype(spec.compute_dtype), device=x.device)
-        # Not the exp-logits path: this Function has no backward rerun for its window check.
         parts, grads = loop(x, weight, bias, target, class_weight, weight_sum, fwd_scale, (needs[0], False, False),
-                            spec._replace(exp_logits=False))
+                            spec)
         ctx.grad_input = grads.input
         ctx.consumed = False
         ctx.meta = (spec, needs, (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
