@@ -75,7 +75,7 @@ class PendingExp:
     w: torch.Tensor | None  # (V, H) in the compute dtype
     scale: torch.Tensor  # 0-d: the reduction's scale
     check: _WindowCheck
-    redo: tuple  # (bias, class_weight, weight_sum, opts): what the standard path needs besides
+    redo: tuple  # (bias, class_weight, weight_sum, opts): what the standard path needs besides x, w, target
 
 
 def applies(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, needs: tuple[bool, bool, bool],
