@@ -7,6 +7,7 @@ through tensor descriptors wrongly), with a window that float16's narrow range a
 it. On a Hopper GPU it runs in bf16, as users get it."""
 
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -37,14 +38,15 @@ def path(monkeypatch):
     if not ON_HOPPER:
         monkeypatch.setattr(lt, "TILE", lt.TileConfig(32, 64, 16, 2, 4, 4))
     seen = SimpleNamespace(taken=[], fell_back=[], pending=[])
-    forward, standard = exp_logits.forward_chunk, exp_logits._standard
+    forward, standard = exp_logits.forward_chunk, flce.function._redo_standard
 
     def counted_forward(*a, **k):
         seen.taken.append(1)
         seen.pending.append(forward(*a, **k))
         return seen.pending[-1]
     monkeypatch.setattr(exp_logits, "forward_chunk", counted_forward)
-    monkeypatch.setattr(exp_logits, "_standard", lambda *a, **k: seen.fell_back.append(1) or standard(*a, **k))
+    monkeypatch.setattr(flce.function, "_redo_standard",
+                        lambda *a, **k: seen.fell_back.append(1) or standard(*a, **k))
     return seen
 
 
@@ -226,13 +228,10 @@ def test_gpu_default_path_real_shapes(shape):
     x, w, b, t, cw = case(n, hidden, vocab, scale=3.0, ignore=0.1, dtype=torch.bfloat16)
     errors = {}
     for name, rows in (("exp", exp_logits.MIN_ROWS), ("standard", 1 << 62)):
-        exp_logits.MIN_ROWS, keep = rows, exp_logits.MIN_ROWS
-        try:
+        with patch.object(exp_logits, "MIN_ROWS", rows):
             xs, ws = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
             loss = flce.linear_cross_entropy(xs, ws, t)
             loss.backward()
-        finally:
-            exp_logits.MIN_ROWS = keep
         ref, (x64, w64, _) = reference_loss(xs, ws, t)
         ref.backward()
         errors[name] = [((g.double() - r).norm() / r.norm()).item()

@@ -7,7 +7,8 @@ import functools
 import torch
 from torch import nn
 
-from .checks import check_and_compact, check_class_weight, check_tensors, compute_dtype, flat_targets, raise_bad_targets
+from .checks import (HostCopy, check_and_compact, check_class_weight, check_tensors, compute_dtype, flat_targets,
+                     raise_bad_targets)
 from .distributed import dtensor_locals, is_dtensor, vocab_parallel_linear_cross_entropy
 from .function import LinearCrossEntropyFunction, LoopSpec, chunk_loop
 from .import_hooks import compile_disabled
@@ -276,20 +277,13 @@ class _TargetCheck:
 
     def start(self) -> None:
         """Queue the copy of the counts (call once the kernel that writes them is queued)."""
-        self.host = torch.empty(self.counts.shape, dtype=self.counts.dtype, device="cpu",
-                                pin_memory=self.t.is_cuda)  # on the host whatever the default device
-        self.host.copy_(self.counts, non_blocking=True)
-        self.event = torch.cuda.Event() if self.t.is_cuda else None
-        if self.event is not None:
-            self.event.record()
+        self.copy = HostCopy(self.counts)
 
     def done(self) -> bool:
-        return self.event is None or self.event.query()
+        return self.copy.done()
 
     def raise_if_bad(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-        n_valid, n_bad = self.host.tolist()[:2]
+        n_valid, n_bad = self.copy.wait().tolist()[:2]
         _record_share(self.t, n_valid)
         if n_bad:
             raise_bad_targets(self.t, self.vocab, self.ignore_index, n_bad, self.original)

@@ -144,3 +144,24 @@ def check_and_compact(t: torch.Tensor, vocab: int, ignore_index: int, counts: to
     if n_valid == t.numel():
         return None, n_valid
     return (t != ignore_index).nonzero_static(size=n_valid).squeeze(1), n_valid  # sized: no second sync
+
+
+class HostCopy:
+    """A small device tensor copied to the host in the background (pinned memory, then an event): reading
+    it waits only for the kernels queued before the copy, and ``done`` asks without waiting."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)  # whatever the default
+        self.host.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event() if t.is_cuda else None
+        if self.event is not None:
+            self.event.record()
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> torch.Tensor:
+        """The host tensor, once the copy has landed."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host

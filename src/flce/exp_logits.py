@@ -17,8 +17,8 @@ logits (the standard path's softmax is that of the bf16-rounded logits, as eager
 
 Out of the window a row's e may have overflowed or flushed. Forward's loss is right anyway (the statistics
 are computed safely); backward queues its GEMMs, then waits for the count of such rows (as the target
-check does) and, if any, recomputes the gradients through the standard path. The device then takes the
-standard path for its next ``COOL_DOWN`` calls. Options that need every logit (label smoothing, z-loss,
+check does) and, if any, the gradients are recomputed through the standard path (``function``). The device
+then takes the standard path for its next ``COOL_DOWN`` calls. Options that need every logit (label smoothing, z-loss,
 softcap, accuracy, a bias gradient) and reduction='none' take the standard path.
 """
 
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import HostCopy
 from .gemm import mm_new
 from .options import LossOptions
 
@@ -42,20 +43,13 @@ _cool_down: dict[torch.device, int] = {}  # device -> calls left on the standard
 
 
 class _WindowCheck:
-    """The count of rows outside the window, copied to the host in the background."""
+    """The count of rows outside the window, read in backward (``checks.HostCopy``)."""
 
     def __init__(self, misses: torch.Tensor) -> None:
-        self.device = misses.device
-        self.host = torch.empty(misses.shape, dtype=misses.dtype, device="cpu", pin_memory=misses.is_cuda)
-        self.host.copy_(misses, non_blocking=True)
-        self.event = torch.cuda.Event() if misses.is_cuda else None
-        if self.event is not None:
-            self.event.record()
+        self.device, self.copy = misses.device, HostCopy(misses)
 
     def missed(self) -> bool:
-        if self.event is not None:
-            self.event.synchronize()
-        if int(self.host[0]) == 0:
+        if int(self.copy.wait()[0]) == 0:
             return False
         _cool_down[self.device] = COOL_DOWN
         return True
@@ -75,7 +69,7 @@ class PendingExp:
     w: torch.Tensor | None  # (V, H) in the compute dtype
     scale: torch.Tensor  # 0-d: the reduction's scale
     check: _WindowCheck
-    redo: tuple  # (bias, class_weight, weight_sum, opts): what the standard path needs besides x, w, target
+    redo: tuple  # (bias, class_weight, weight_sum): what the standard path needs besides x, w, target, options
 
 
 def applies(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, needs: tuple[bool, bool, bool],
@@ -120,13 +114,14 @@ def forward_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     exp_rows(e, x_c, w, bias, target, class_weight, (stats[0], stats[1]), loss, lse, coef[0], coef[1], keys, misses,
              opts, WINDOWS[x_c.dtype], counts, total, grad_scale if counts is not None else None)
     return PendingExp(e, coef[0], coef[1], keys, target, x_c, w, grad_scale, _WindowCheck(misses),
-                      (bias, class_weight, weight_sum, opts))
+                      (bias, class_weight, weight_sum))
 
 
 def finish(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, g: torch.Tensor, needs: tuple[bool, bool, bool],
-           dtypes: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Backward: (grad_input, grad_weight) in ``dtypes`` (None where not needed) for grad_output g (0-d).
-    x_c, w: the forward's GEMM operands, from ``ctx.saved_tensors``."""
+           dtypes: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """Backward: (grad_input, grad_weight) in ``dtypes`` (None where not needed) for grad_output g (0-d),
+    or None if rows left the window (``function`` then runs the standard path). x_c, w: the forward's GEMM
+    operands, from ``ctx.saved_tensors``."""
     from .kernels.exp_rows_triton import row_scale, subtract_target_rows
 
     g_total = (g * p.scale).float()
@@ -141,20 +136,5 @@ def finish(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, g: torch.Tensor, n
         grad_x = row_scale(product, p.coef, g_total, torch.empty(product.shape, dtype=dtypes[0], device=x_c.device),
                            (w, p.target, p.target_coef))
     if p.check.missed():
-        return _standard(p, x_c, w, g_total, needs, dtypes)
+        return None  # rows left the window: the caller recomputes through the standard path
     return grad_x, grad_w
-
-
-def _standard(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, g_total: torch.Tensor, needs, dtypes):
-    """The standard single-chunk path's gradients, computed again in backward (rows left the window)."""
-    from .kernels import ce_chunk, logits_triton
-
-    bias, class_weight, weight_sum, opts = p.redo
-    target = p.target
-    n, vocab = p.e.shape
-    stats = torch.empty(2, n, logits_triton.num_tiles(vocab), dtype=torch.float32, device=x_c.device)
-    logits_triton.logits_with_tile_stats(x_c, w, bias, p.e, stats[0], stats[1], opts)
-    scratch = torch.empty(2, n, dtype=torch.float32, device=x_c.device)
-    ce_chunk("triton", p.e, target, scratch[0], scratch[1], None, class_weight, weight_sum, g_total, opts,
-             tile_stats=(stats[0], stats[1]))
-    return (mm_new(p.e, w, dtypes[0]) if needs[0] else None, mm_new(p.e.t(), x_c, dtypes[1]) if needs[1] else None)

@@ -359,12 +359,25 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return None, None, *out, None, None, None, None, None
 
 
+def _redo_standard(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, spec: LoopSpec) -> PendingGrads:
+    """The single chunk's dlogits as the standard path makes them (rows left the exp-logits window), the
+    reduction's scale folded in; forward's loss and lse stand."""
+    bias, class_weight, weight_sum = p.redo
+    logits, tile_stats = chunk_logits(x_c, w, bias, p.e, spec.opts, spec.backend)
+    rows = torch.empty(2, x_c.shape[0], dtype=torch.float32, device=x_c.device)  # loss and lse, not used
+    ce_chunk(spec.backend, logits, p.target, rows[0], rows[1], None, class_weight, weight_sum, p.scale, spec.opts,
+             tile_stats=tile_stats)
+    return PendingGrads(dlogits=logits, x=None, w=None)
+
+
 def _input_grads(ctx, loop, spec: LoopSpec, needs, dtypes, g: torch.Tensor) -> list:
     """(input, weight, bias) gradients for grad_output g (0-d, or per row for reduction='none')."""
     grads = take_grads(ctx)
     saved = ctx.saved_tensors  # raises if the caller changed one in place since forward
     if isinstance(grads, PendingExp):
-        grads = ChunkGrads(*exp_logits.finish(grads, *saved, g, needs, dtypes), None)
+        done = exp_logits.finish(grads, *saved, g, needs, dtypes)
+        grads = ChunkGrads(*done, None) if done is not None else finish_pending(
+            _redo_standard(grads, *saved, spec), *saved, g, needs, dtypes, spec.backend)
         g = None
     elif isinstance(grads, PendingGrads):
         grads = finish_pending(grads, *saved, g, needs, dtypes, spec.backend)

@@ -6,9 +6,9 @@ its bias), the loss, the coefficient a = w_y / T * exp(-lse) that turns the stor
 softmax / T, and the one-hot term: for a confident target (p_y >= 1/2) written into e, e[y] = exp(lse) *
 expm1(z_y - lse), so that a * e[y] = w_y / T * (p_y - 1) with no cancellation; else kept apart as
 target_coef = w_y / T, which backward subtracts exactly (then the dominant -w_y / T is rounded once, not
-with both GEMM operands). Rows whose lse leaves
-[lse_lo, lse_hi], or that hold a tile the GEMM stored shifted, are counted: their e may have overflowed,
-flushed or been stored at another scale (the caller falls back).
+with both GEMM operands). Rows whose lse leaves [lse_lo, lse_hi], or that hold a tile the GEMM stored
+shifted, are counted: their e may have overflowed, flushed or been stored at another scale (the caller
+falls back).
 Backward: ``row_scale`` (out[r] = (src[r] * a[r] - target_coef[r] * W[y_r]) * g, cast to out's dtype) and
 ``subtract_target_rows`` (grad_weight's one-hot term).
 Runs on CUDA, and on the CPU under ``TRITON_INTERPRET=1``.
