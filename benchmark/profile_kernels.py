@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from unittest.mock import patch
 
 import torch
 
@@ -78,9 +79,8 @@ def main():
         if args.exp_logits_off and chunk is None:
             from flce import exp_logits
 
-            keep, exp_logits.MIN_ROWS = exp_logits.MIN_ROWS, 1 << 62
-            _run("flce, exp-logits path off", step, args.steps)
-            exp_logits.MIN_ROWS = keep
+            with patch.object(exp_logits, "MIN_ROWS", 1 << 62):
+                _run("flce, exp-logits path off", step, args.steps)
             torch.cuda.empty_cache()
     if args.low_memory:
         def low_memory_step():

@@ -164,7 +164,7 @@ def grad_weight(p, x, out, scale, target, g, cfg):
 
 
 def reference(x, w, target):
-    """Loss and gradients in float32 (TF32 off) from the bf16 inputs."""
+    """Loss and gradients in float32 (TF32 off) from the 16-bit inputs."""
     xf, wf = x.float().requires_grad_(), w.float().requires_grad_()
     loss = torch.nn.functional.cross_entropy(xf @ wf.t(), target)
     gx, gw = torch.autograd.grad(loss, (xf, wf))

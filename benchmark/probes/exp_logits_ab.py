@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from unittest.mock import patch
 
 import torch
 
@@ -44,11 +45,8 @@ def main():
 
         def variant(min_rows):
             def run():
-                keep, exp_logits.MIN_ROWS = exp_logits.MIN_ROWS, min_rows
-                try:
+                with patch.object(exp_logits, "MIN_ROWS", min_rows):
                     flce_step()
-                finally:
-                    exp_logits.MIN_ROWS = keep
             return run
 
         fns = {"floor": floor, "flce": variant(exp_logits.MIN_ROWS), "flce, exp-logits off": variant(1 << 62)}

@@ -20,9 +20,9 @@ order of 16 reads as 8 (`path_group_ab_2e212d7.txt`); `store_exp` costs the GEMM
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import torch
 from common import measure_interleaved, timed_calls
@@ -34,34 +34,16 @@ from flce.kernels.ce_triton import LaunchConfig, ce_chunk_triton
 from flce.options import LossOptions
 
 
-@contextlib.contextmanager
 def fused_off():
-    keep = logits_triton.MIN_ROWS
-    logits_triton.MIN_ROWS = 1 << 62
-    try:
-        yield
-    finally:
-        logits_triton.MIN_ROWS = keep
+    return patch.object(logits_triton, "MIN_ROWS", 1 << 62)
 
 
-@contextlib.contextmanager
 def exp_off():
-    keep = exp_logits.MIN_ROWS
-    exp_logits.MIN_ROWS = 1 << 62
-    try:
-        yield
-    finally:
-        exp_logits.MIN_ROWS = keep
+    return patch.object(exp_logits, "MIN_ROWS", 1 << 62)
 
 
-@contextlib.contextmanager
 def tile(**changes):
-    keep = logits_triton.TILE
-    logits_triton.TILE = keep._replace(**changes)
-    try:
-        yield
-    finally:
-        logits_triton.TILE = keep
+    return patch.object(logits_triton, "TILE", logits_triton.TILE._replace(**changes))
 
 
 def step(x, w, t, **kw):

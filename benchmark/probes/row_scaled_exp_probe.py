@@ -32,6 +32,7 @@ import statistics
 import torch
 import triton
 import triton.language as tl
+from ce_in_gemm_probe import reference, rel  # the sibling probe's float32 reference (same folder)
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flce.kernels.logits_triton import TILE, _tile_coords
@@ -138,18 +139,6 @@ def step(x, w, c, target, e, tile_sum, gx, gw, xs=None, small=False):
     else:
         backward(e, w, s, xs if xs is not None else (x.float() * s[:, None]).to(x.dtype), gx, gw)
     return loss, outside
-
-
-def reference(x, w, target):
-    """Loss and gradients in float32 (TF32 off) from the 16-bit inputs."""
-    xf, wf = x.float().requires_grad_(), w.float().requires_grad_()
-    loss = torch.nn.functional.cross_entropy(xf @ wf.t(), target)
-    gx, gw = torch.autograd.grad(loss, (xf, wf))
-    return loss.item(), gx, gw
-
-
-def rel(a, b):
-    return ((a.float() - b).norm() / b.norm()).item()
 
 
 def main():
