@@ -37,8 +37,9 @@ def path(monkeypatch):
     monkeypatch.setattr(exp_logits, "_cool_down", {})
     if not ON_HOPPER:
         monkeypatch.setattr(lt, "TILE", lt.TileConfig(32, 64, 16, 2, 4, 4))
-    seen = SimpleNamespace(taken=[], fell_back=[], pending=[])
+    seen = SimpleNamespace(taken=[], fell_back=[], pending=[], input_chunks=[])
     forward, standard = exp_logits.forward_chunk, flce.function._redo_standard
+    input_chunk = exp_logits.input_grad_chunk
 
     def counted_forward(*a, **k):
         seen.taken.append(1)
@@ -47,6 +48,8 @@ def path(monkeypatch):
     monkeypatch.setattr(exp_logits, "forward_chunk", counted_forward)
     monkeypatch.setattr(flce.function, "_redo_standard",
                         lambda *a, **k: seen.fell_back.append(1) or standard(*a, **k))
+    monkeypatch.setattr(exp_logits, "input_grad_chunk",
+                        lambda *a, **k: seen.input_chunks.append(a[0].shape[0]) or input_chunk(*a, **k))
     return seen
 
 
@@ -64,14 +67,18 @@ def case(n=40, hidden=32, vocab=120, scale=1.0, bias=False, weight_cls=False, ig
     return x, w, b, t, cw
 
 
-def run_and_compare(x, w, b, t, cw, reduction="mean", grad_out=1.7, tol=None, **opts):
-    """flce's loss and gradients against float64 (eager cross-entropy on float64 copies)."""
-    loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, reduction=reduction, backend="triton", **opts)
+def run_and_compare(x, w, b, t, cw, reduction="mean", grad_out=1.7, tol=None, mode=None, **opts):
+    """flce's loss and gradients against float64 (eager cross-entropy on float64 copies); ``mode``: flce's
+    own settings (low_memory, chunk_size). reduction='none' takes a random grad_output per row."""
+    loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, reduction=reduction, backend="triton",
+                                     **opts, **(mode or {}))
     ref, (x64, w64, _) = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, reduction=reduction, **opts)
     tol = tol or TOL[x.dtype]
     assert_close(loss, ref, tol, "loss")
-    loss.backward(torch.tensor(grad_out, device=loss.device))
-    ref.backward(torch.tensor(grad_out, dtype=torch.float64, device=ref.device))
+    g = torch.rand(loss.shape, device=loss.device, dtype=torch.float64) + 0.5 if loss.dim() else torch.tensor(
+        grad_out, dtype=torch.float64, device=loss.device)
+    loss.backward(g.to(loss.dtype))
+    ref.backward(g)
     for name, got, want in (("grad_input", x.grad, x64.grad), ("grad_weight", w.grad, w64.grad)):
         if want is not None:
             assert got.dtype == x.dtype, name
@@ -215,6 +222,77 @@ def test_in_place_change_after_forward_raises(path):
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
     assert path.taken == [1]
+
+
+# ---------------------------------------------------------------- the low-memory mode's forward chunks
+
+@pytest.fixture
+def low_memory_plan(monkeypatch):
+    """Backward blocks of 8 vocabulary columns, and forward's float32 product in pieces of
+    ``budget / (rows * 4)`` columns (``low_memory_plan``'s budget, patched)."""
+    from flce import low_memory_plan as lmp
+
+    monkeypatch.setattr(lmp, "MIN_BLOCK_ELEMENTS", 0)
+    monkeypatch.setattr(lmp, "BLOCK_ALIGN", 8)
+    return lambda budget: monkeypatch.setattr(lmp, "LOW_MEMORY_BUDGET", budget)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opts", [
+    {},
+    {"temperature": 1.3, "weight_cls": True},
+    {"bias": True, "weight_cls": True, "ignore": 0.3, "ignore_index": 3},
+])
+def test_low_memory_chunks_match_float64(path, low_memory_plan, reduction, opts):
+    """Each forward chunk computes grad_input from its stored exponentials, the product in column pieces
+    (16 rows, 16 of 32 columns at a time); backward's blocks recompute the logits as before."""
+    low_memory_plan(16 * 16 * 4)
+    opts = dict(opts)
+    inputs = case(**{k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts},
+                  ignore_index=opts.get("ignore_index", -100))
+    run_and_compare(*inputs, reduction=reduction, mode={"low_memory": True, "chunk_size": 16}, **opts)
+    assert path.input_chunks == [16, 16, 8] and path.taken == []
+
+
+def test_low_memory_frozen_weight_and_one_chunk(path, low_memory_plan):
+    low_memory_plan(1 << 20)
+    x, w, b, t, cw = case(weight_cls=True)
+    w.requires_grad_(False)
+    run_and_compare(x, w, b, t, cw, mode={"low_memory": True})
+    assert path.input_chunks == [x.shape[0]]
+
+
+def test_low_memory_rows_out_of_the_window_fall_back(path, low_memory_plan):
+    """A row far beyond the window in one chunk: forward's loss stands; backward runs forward's loop again
+    with the path off (the device then cools down), and its blocks with that loop's lse, which matches the
+    rounded logits they recompute: the gradients are the standard path's."""
+    low_memory_plan(1 << 20)
+    x, w, b, t, cw = case(scale=0.5)
+    with torch.no_grad():
+        x[21] *= 80.0 if DTYPE == torch.float16 else 800.0
+    mode = {"low_memory": True, "chunk_size": 16}
+    loss = flce.linear_cross_entropy(x, w, t, backend="triton", **mode)
+    ref, (x64, w64, _) = reference_loss(x, w, t)
+    assert_close(loss, ref, TOL[x.dtype], "loss")
+    assert path.input_chunks == [16, 16, 8]
+    loss.backward()
+    assert exp_logits._cool_down[x.device] == exp_logits.COOL_DOWN - 1  # the recompute took one turn
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    flce.linear_cross_entropy(x2, w2, t, backend="triton", **mode).backward()
+    assert path.input_chunks == [16, 16, 8]  # cooling down: the standard path from the start
+    # as the standard path computes them (at such logits the rounding of 16-bit logits dominates)
+    assert_close(x.grad, x2.grad.double(), TOL[x.dtype] / 10, "grad_input")
+    assert_close(w.grad, w2.grad.double(), TOL[x.dtype] / 10, "grad_weight")
+
+
+def test_low_memory_unchecked_bad_target_gives_nan(path, low_memory_plan):
+    low_memory_plan(1 << 20)
+    x, w, b, t, cw = case()
+    t[4] = w.shape[0] + 3
+    loss = flce.linear_cross_entropy(x, w, t, backend="triton", validate_target=False, low_memory=True)
+    loss.backward()
+    assert path.input_chunks == [x.shape[0]] and torch.isnan(loss) and torch.isnan(x.grad[4]).all()
+    assert torch.isfinite(x.grad[:4]).all()
 
 
 @pytest.mark.gpu

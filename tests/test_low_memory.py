@@ -322,6 +322,11 @@ def test_plan_at_the_llama3_head():
     assert 8192 * plan.block_cols * 2 <= lmp.LOW_MEMORY_BUDGET and plan.block_cols % lmp.BLOCK_ALIGN == 0
     assert plan.rows * 128256 * (2 + lmp.STATS_BYTES_PER_COLUMN) <= lmp.LOW_MEMORY_BUDGET + grad_w_bytes
     assert plan.rows % 1024 == 0 and plan.num_chunks == 8192 // plan.rows
+    # the exp-logits path's float32 grad_input product fits beside the buffer, in whole-tile pieces
+    product = plan.rows * plan.input_product_cols * 4
+    assert plan.rows * 128256 * (2 + lmp.STATS_BYTES_PER_COLUMN) + product <= lmp.LOW_MEMORY_BUDGET + grad_w_bytes
+    assert plan.input_product_cols % lmp.BLOCK_ALIGN == 0 and 4096 % plan.input_product_cols == 0
+    assert plan.input_product_cols * plan.rows >= lmp.MIN_BLOCK_ELEMENTS
     frozen = lmp.plan_low_memory(8192, **HEAD, compute_dtype=torch.bfloat16, grad_dtype=torch.bfloat16,
                                  weight_grad=False)
     assert frozen.rows * 128256 * 2 <= lmp.LOW_MEMORY_BUDGET and frozen.rows % 64 == 0
@@ -338,6 +343,7 @@ def test_plan_covers_rows_and_columns_once(n, vocab, hidden):
     widths = [e - s for s, e in blocks]
     assert 0 < widths[-1] <= widths[0] and set(widths[:-1]) <= {plan.block_cols}
     assert plan.block_cols % lmp.BLOCK_ALIGN == 0 or len(blocks) == 1
+    assert 0 <= plan.input_product_cols <= hidden
     # backward's buffer: the budget, unless a block would leave the grad_weight GEMM short of a wave
     min_cols = -(-lmp.MIN_BLOCK_ELEMENTS // hidden)
     assert n * plan.block_cols * 2 <= lmp.LOW_MEMORY_BUDGET or plan.block_cols <= max(min_cols, 128) + 127

@@ -20,6 +20,9 @@ are computed safely); backward queues its GEMMs, then waits for the count of suc
 check does) and, if any, the gradients are recomputed through the standard path (``function``). The device
 then takes the standard path for its next ``COOL_DOWN`` calls. Options that need every logit (label smoothing, z-loss,
 softcap, accuracy, a bias gradient) and reduction='none' take the standard path.
+
+The low-memory mode's forward chunks, which want grad_input alone, take the same path chunk by chunk
+(``input_grad_chunk``); their window check is read in that mode's backward (``low_memory.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import HostCopy
-from .gemm import mm_new
+from .gemm import mm_into, mm_new
 from .options import LossOptions
 
 # Fewest rows: below, the pass saved is short and the path's own launches weigh more (small batches).
@@ -42,7 +45,7 @@ COOL_DOWN = 64
 _cool_down: dict[torch.device, int] = {}  # device -> calls left on the standard path after a miss
 
 
-class _WindowCheck:
+class WindowCheck:
     """The count of rows outside the window, read in backward (``checks.HostCopy``)."""
 
     def __init__(self, misses: torch.Tensor) -> None:
@@ -68,28 +71,40 @@ class PendingExp:
     x: torch.Tensor | None  # (n, H) in the compute dtype
     w: torch.Tensor | None  # (V, H) in the compute dtype
     scale: torch.Tensor  # 0-d: the reduction's scale
-    check: _WindowCheck
+    check: WindowCheck
     redo: tuple  # (bias, class_weight, weight_sum): what the standard path needs besides x, w, target, options
 
 
 def applies(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, needs: tuple[bool, bool, bool],
             grad_scale: torch.Tensor | None, opts: LossOptions, want_correct: bool, backend: str) -> bool:
-    """Whether a single deferred chunk takes this path (see the module docstring)."""
+    """Whether a single deferred chunk takes this path (see the module docstring); takes a turn of the
+    device's cool-down when it does not."""
+    if needs[2] or not (needs[0] or needs[1]):
+        return False
+    return eligible(x_c, w, bias, grad_scale, opts, want_correct, backend) and take_turn(x_c.device)
+
+
+def eligible(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, grad_scale: torch.Tensor | None,
+             opts: LossOptions, want_correct: bool, backend: str) -> bool:
+    """Whether a chunk's shapes, dtypes and options suit the path (no bias gradient asked of it)."""
     if backend != "triton" or x_c.shape[0] < MIN_ROWS or x_c.dtype not in WINDOWS or want_correct:
         return False
     if opts.label_smoothing > 0.0 or opts.z_loss > 0.0 or opts.softcap is not None:
         return False
-    if grad_scale is None or grad_scale.dim() != 0 or needs[2] or not (needs[0] or needs[1]):
+    if grad_scale is None or grad_scale.dim() != 0:
         return False
     from .kernels import logits_triton
 
     if not logits_triton.supported(x_c, w, bias):
         return False
-    if x_c.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False  # backward's wait for the window count cannot be captured
-    left = _cool_down.get(x_c.device, 0)
+    return not (x_c.is_cuda and torch.cuda.is_current_stream_capturing())  # backward's wait cannot be captured
+
+
+def take_turn(device: torch.device) -> bool:
+    """False while the device is cooling down after a miss (one call of the COOL_DOWN counted)."""
+    left = _cool_down.get(device, 0)
     if left:
-        _cool_down[x_c.device] = left - 1
+        _cool_down[device] = left - 1
         return False
     return True
 
@@ -113,8 +128,37 @@ def forward_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     keys, misses = ints[:n], ints[n:]
     exp_rows(e, x_c, w, bias, target, class_weight, (stats[0], stats[1]), loss, lse, coef[0], coef[1], keys, misses,
              opts, WINDOWS[x_c.dtype], counts, total, grad_scale if counts is not None else None)
-    return PendingExp(e, coef[0], coef[1], keys, target, x_c, w, grad_scale, _WindowCheck(misses),
+    return PendingExp(e, coef[0], coef[1], keys, target, x_c, w, grad_scale, WindowCheck(misses),
                       (bias, class_weight, weight_sum))
+
+
+def input_grad_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                     loss: torch.Tensor, lse: torch.Tensor, class_weight: torch.Tensor | None, scale: torch.Tensor,
+                     opts: LossOptions, e: torch.Tensor, misses: torch.Tensor, grad_input: torch.Tensor,
+                     product_cols: int) -> None:
+    """A chunk whose grad_input alone is wanted (the low-memory mode's forward): the logits GEMM storing
+    exp(z) into ``e``, the row kernel (loss, lse (m,) written; rows outside the window added to
+    ``misses``, (1,) int32), then grad_input = scale (diag(a) (e @ W) - c * W[y]) in ``product_cols``
+    columns at a time, each a float32 product rounded once into ``grad_input`` (m, H), any row stride.
+    x_c (m, H), w (V, H), e (m, V) contiguous, scale 0-d."""
+    from .kernels import logits_triton
+    from .kernels.exp_rows_triton import exp_rows, row_scale
+
+    m, vocab = e.shape
+    hidden = w.shape[1]
+    stats = torch.empty(2, m, logits_triton.num_tiles(vocab), dtype=torch.float32, device=e.device)
+    logits_triton.logits_with_tile_stats(x_c, w, bias, e, stats[0], stats[1], opts, store_exp=True)
+    coef = torch.empty(2, m, dtype=torch.float32, device=e.device)
+    keys = torch.empty(m, dtype=torch.int32, device=e.device)  # grad_weight's sort keys: not used here
+    exp_rows(e, x_c, w, bias, target, class_weight, (stats[0], stats[1]), loss, lse, coef[0], coef[1], keys, misses,
+             opts, WINDOWS[e.dtype])
+    del stats
+    product = torch.empty(m, min(product_cols, hidden), dtype=torch.float32, device=e.device)
+    for start in range(0, hidden, product.shape[1]):
+        end = min(start + product.shape[1], hidden)
+        part = product.view(-1)[: m * (end - start)].view(m, end - start)  # contiguous, whatever its width
+        mm_into(part, e, w[:, start:end], accumulate=False)
+        row_scale(part, coef[0], scale, grad_input[:, start:end], (w[:, start:end], target, coef[1]))
 
 
 def finish(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, g: torch.Tensor, needs: tuple[bool, bool, bool],

@@ -47,6 +47,9 @@ class ChunkGrads:
     input: torch.Tensor | None
     weight: torch.Tensor | None  # in the plan's accumulator dtype
     bias: torch.Tensor | None  # in the math dtype (float32, or float64 for float64 logits)
+    # Chunks that took the exp-logits path (``plan.input_product_cols``): if its check misses in backward,
+    # grad_input must be recomputed with the path off.
+    window: exp_logits.WindowCheck | None = None
 
 
 @dataclass
@@ -148,6 +151,9 @@ def chunk_loop(
     # One chunk: its GEMM allocates the logits (small batches are launch-bound: one host call fewer).
     buffer = torch.empty(plan.rows, vocab, dtype=compute_dtype, device=dev) if plan.num_chunks > 1 else None
     row_scale = grad and grad_scale.dim() == 1
+    # Chunks that compute grad_input alone may store exp(logits) where the plan budgets the product.
+    exp_input = need_x and not (need_w or need_b) and plan.input_product_cols > 0 and exp_logits.take_turn(dev)
+    misses = None
     for i, (start, end) in enumerate(plan.bounds()):
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
         rows = slice(start, end) if end - start < n else slice(None)
@@ -155,13 +161,23 @@ def chunk_loop(
         if defer and exp_logits.applies(x_c, w, bias, needs, grad_scale, opts, want_correct, backend):
             return parts, exp_logits.forward_chunk(x_c, w, bias, target, parts.loss, parts.lse, parts.total,
                                                    class_weight, weight_sum, grad_scale, opts, counts)
-        logits, tile_stats = chunk_logits(x_c, w, bias, _take(buffer, slice(None, end - start)), opts, backend)
+        out = _take(buffer, slice(None, end - start))
+        if exp_input and exp_logits.eligible(x_c, w, bias, grad_scale, opts, want_correct, backend):
+            misses = torch.zeros(1, dtype=torch.int32, device=dev) if misses is None else misses
+            e = torch.empty(end - start, vocab, dtype=compute_dtype, device=dev) if out is None else out
+            exp_logits.input_grad_chunk(x_c, w, bias, _take(target, rows), _take(parts.loss, rows),
+                                        _take(parts.lse, rows), class_weight, grad_scale, opts, e, misses,
+                                        _take(grads.input, rows), plan.input_product_cols)
+            continue
+        logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend)
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
                  _take(parts.correct, rows), class_weight, weight_sum,
                  _take(grad_scale, rows) if row_scale else grad_scale, opts, counts, parts.total, tile_stats)
         if defer:
             return parts, PendingGrads(dlogits=logits, x=x_c, w=w, scale=None if counts is None else grad_scale)
         gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0)
+    if misses is not None:
+        grads.window = exp_logits.WindowCheck(misses)
     return parts, grads
 
 

@@ -121,7 +121,7 @@ def grouped_linear_cross_entropy(
     base = plan_chunks(t.shape[batch_dim], groups * vocab, dtype, linear_weight.dtype,
                        chunk_size=chunk_size, accum_dtype=accum_dtype,
                        weight_grad_hidden=weight_grad_hidden(linear_weight))
-    plan = GroupedChunkPlan(base.n_rows, base.rows, base.accum_dtype, group_major)
+    plan = GroupedChunkPlan(base.n_rows, base.rows, base.accum_dtype, group_major=group_major)
     args = (x, linear_weight, linear_bias, t, class_w, weight_sum)
     spec = LoopSpec(opts, plan, dtype, backend, return_stats, entry="flce.grouped_linear_cross_entropy")
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:3]):

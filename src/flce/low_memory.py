@@ -2,7 +2,10 @@
 backward's vocabulary-block loop.
 
 Forward runs the chunk loop without the weight gradient: per chunk of rows the logits GEMM, the CE
-kernel (loss, lse, dlogits) and grad_input rows = dlogits @ W (K = V: one GEMM, rounded once). Backward
+kernel (loss, lse, dlogits) and grad_input rows = dlogits @ W (K = V: one GEMM, rounded once). On Hopper
+in bf16 a chunk stores exp(logits) instead and needs no CE pass (``exp_logits.input_grad_chunk``, its
+float32 product in the memory the plan leaves beside the buffer); if rows left that path's window,
+backward runs forward's loop again on the standard path, and its blocks with that loop's lse. Backward
 recomputes the logits one block of vocabulary columns at a time for all rows, overwrites them with
 their gradient from the saved lse (``kernels/ce_block_*``), and writes grad_weight[block] = dz^T @ x:
 one GEMM over every row, float32 inside, rounded once into the weight's dtype. Four GEMMs in all, two
@@ -113,15 +116,12 @@ class LowMemoryFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         needs = tuple(ctx.needs_input_grad[2:5])
         # grad_input in forward, times the reduction's scale (1 for 'none': backward scales its rows).
-        fwd_scale = None
-        if needs[0]:
-            fwd_scale = grad_scale if grad_scale is not None else torch.ones(
-                (), dtype=math_dtype(spec.compute_dtype), device=x.device)
+        fwd_scale = _forward_scale(grad_scale, spec, x.device) if needs[0] else None
         parts, grads = loop(x, weight, bias, target, class_weight, weight_sum, fwd_scale, (needs[0], False, False),
                             spec)
-        ctx.grad_input = grads.input
+        ctx.grad_input, ctx.window = grads.input, grads.window
         ctx.consumed = False
-        ctx.meta = (spec, needs, (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
+        ctx.meta = (loop, spec, needs, (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
         ctx.target_check = target_check
         ctx.save_for_backward(x, weight, bias, target, class_weight, weight_sum, grad_scale, parts.lse)
         loss = parts.loss if grad_scale is None else parts.loss.sum() * grad_scale
@@ -137,25 +137,52 @@ class LowMemoryFunction(torch.autograd.Function):
         if ctx.consumed:
             raise RuntimeError(_CONSUMED)
         ctx.consumed = True
-        spec, needs, dtypes = ctx.meta
+        loop, spec, needs, dtypes = ctx.meta
         x, weight, bias, target, class_weight, weight_sum, grad_scale, lse = ctx.saved_tensors
         grad_x, ctx.grad_input = ctx.grad_input, None
         g = _as_dtype(grad_loss, math_dtype(spec.compute_dtype))  # float64 stays float64
         if grad_scale is None:  # reduction='none': grad_output per row
             g = g.reshape(-1).contiguous()
-            if grad_x is not None:
-                torch.mul(grad_x, g[:, None], out=grad_x)
             block_scale = g
         else:
-            if grad_x is not None:
-                scale_into(grad_x, g, dtypes[0], spec.backend)
             block_scale = grad_scale * g
-        grad_w = grad_b = None
-        if needs[1] or needs[2]:
-            terms = RowTerms(target, lse, class_weight, weight_sum, block_scale)
-            grad_w, grad_b = weight_grad_blocks(x, weight, bias, terms, needs[1], needs[2], spec)
+        if grad_x is not None:
+            _scale_input_grad(grad_x, g, dtypes[0], spec)
+        grad_w, grad_b = _weight_grads(x, weight, bias, target, class_weight, weight_sum, lse, block_scale, needs, spec)
+        if ctx.window is not None and ctx.window.missed():
+            # Rows left the exp-logits window: forward again on the standard path, whose lse matches the
+            # rounded logits that the blocks recompute, and the blocks again with it (rare: the device
+            # then cools down).
+            parts, grads = loop(x, weight, bias, target, class_weight, weight_sum,
+                                _forward_scale(grad_scale, spec, x.device), (True, False, False), spec)
+            grad_x = _scale_input_grad(grads.input, g, dtypes[0], spec)
+            grad_w = grad_b = None  # freed first: the peak stays the mode's
+            grad_w, grad_b = _weight_grads(x, weight, bias, target, class_weight, weight_sum, parts.lse, block_scale,
+                                           needs, spec)
         if grad_b is not None:
             grad_b = _as_dtype(grad_b, dtypes[2])
         if ctx.target_check is not None:  # waits only now, with this backward's kernels already queued
             ctx.target_check.raise_if_bad()
         return None, None, grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def _weight_grads(x, weight, bias, target, class_weight, weight_sum, lse, block_scale, needs,
+                  spec: LoopSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Backward's vocabulary-block loop, where grad_weight or grad_bias is wanted."""
+    if not (needs[1] or needs[2]):
+        return None, None
+    terms = RowTerms(target, lse, class_weight, weight_sum, block_scale)
+    return weight_grad_blocks(x, weight, bias, terms, needs[1], needs[2], spec)
+
+
+def _forward_scale(grad_scale: torch.Tensor | None, spec: LoopSpec, device: torch.device) -> torch.Tensor:
+    """The scale forward's grad_input carries: the reduction's, or 1 for reduction='none'."""
+    return grad_scale if grad_scale is not None else torch.ones((), dtype=math_dtype(spec.compute_dtype),
+                                                                device=device)
+
+
+def _scale_input_grad(grad_x: torch.Tensor, g: torch.Tensor, dtype: torch.dtype, spec: LoopSpec) -> torch.Tensor:
+    """grad_x times grad_output in place: per row (n,) for reduction='none', else 0-d."""
+    if g.dim() == 1:
+        return torch.mul(grad_x, g[:, None], out=grad_x)
+    return scale_into(grad_x, g, dtype, spec.backend)

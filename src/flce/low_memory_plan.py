@@ -7,7 +7,7 @@ GEMM over every row (float32 inside, rounded once). Only a small budget may add 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -33,7 +33,7 @@ class LowMemoryPlan(ChunkPlan):
     """A ``ChunkPlan`` for forward's row chunks, plus ``block_cols``: vocabulary columns per backward block
     (the last may be narrower)."""
 
-    block_cols: int
+    block_cols: int = field(kw_only=True)
 
     def blocks(self, vocab: int) -> Iterator[tuple[int, int]]:
         """(start, end) columns of each backward block."""
@@ -68,6 +68,8 @@ def plan_low_memory(
     Forward's logits buffer: the budget, plus, when the weight gradient is wanted, that gradient's size:
     forward ends (and frees the buffer) before backward allocates it, so the peak is unchanged (at
     8192 x 4096 x 128256 bf16: 4096-row chunks instead of 256, whose GEMMs would be bound by reading W).
+    What forward's budget leaves beside the buffer holds the float32 grad_input product of a chunk on the
+    exp-logits path (``input_product_cols`` at a time; 0 where less than a GPU wave of it fits).
     Backward's (n_rows, block_cols) dlogits buffer takes the budget, but at least ``MIN_BLOCK_ELEMENTS``
     of grad_weight per block (its GEMM fills the GPU), and whole tiles of ``BLOCK_ALIGN`` columns.
     """
@@ -81,9 +83,12 @@ def plan_low_memory(
                 budget -= vocab * hidden * size
         row_bytes = max(int(vocab * (size + STATS_BYTES_PER_COLUMN)), 1)
         rows = _balanced(n_rows, max(budget // row_bytes // ROW_ALIGN * ROW_ALIGN, ROW_ALIGN))
+        spare = budget - rows * row_bytes
     else:
         rows = min(chunk_size, n_rows)
+        spare = memory_budget
     rows = max(rows, 1)
+    product_cols = _product_cols(spare, rows, hidden)
 
     # Backward: the block's dlogits, its weight rows cast (autocast), and the input cast once.
     block_budget = memory_budget - (n_rows * hidden * size if input_cast else 0)
@@ -94,7 +99,20 @@ def plan_low_memory(
         cols = max(vocab, 1)
     else:  # near-equal blocks: no narrow last one
         cols = _round_up(_cdiv(vocab, _cdiv(vocab, cols)), BLOCK_ALIGN)
-    return LowMemoryPlan(n_rows=n_rows, rows=rows, accum_dtype=grad_dtype, block_cols=cols)
+    return LowMemoryPlan(n_rows=n_rows, rows=rows, accum_dtype=grad_dtype, input_product_cols=product_cols,
+                         block_cols=cols)
+
+
+def _product_cols(spare: int, rows: int, hidden: int) -> int:
+    """Columns of a (rows, hidden) float32 product that ``spare`` bytes hold, in near-equal pieces of whole
+    tiles; 0 if fewer than ``MIN_BLOCK_ELEMENTS`` fit (a GEMM that short would not fill the GPU)."""
+    most = max(spare, 0) // (rows * 4)
+    if most >= hidden:
+        return hidden
+    most = most // BLOCK_ALIGN * BLOCK_ALIGN
+    if most == 0 or most * rows < MIN_BLOCK_ELEMENTS:
+        return 0
+    return min(_round_up(_cdiv(hidden, _cdiv(hidden, most)), BLOCK_ALIGN), most)
 
 
 def _cdiv(a: int, b: int) -> int:

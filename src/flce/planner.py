@@ -26,11 +26,15 @@ WAVE_ROWS = 1024
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """rows: rows per chunk (the last one may be shorter); accum_dtype: grad_weight accumulator dtype."""
+    """rows: rows per chunk (the last one may be shorter); accum_dtype: grad_weight accumulator dtype;
+    input_product_cols: grad_input columns per float32 product GEMM when a chunk computes grad_input alone
+    from stored exponentials (``exp_logits.input_grad_chunk``), 0 where the plan budgets no such product
+    (those chunks then take the standard path)."""
 
     n_rows: int
     rows: int
     accum_dtype: torch.dtype
+    input_product_cols: int = 0
 
     @property
     def num_chunks(self) -> int:

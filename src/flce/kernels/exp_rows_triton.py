@@ -121,7 +121,7 @@ def exp_rows(e: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 @triton.jit
-def _row_scale_kernel(src_ptr, stride_src, out_ptr, coef_ptr, scale_ptr, w_ptr, stride_w, target_ptr,
+def _row_scale_kernel(src_ptr, stride_src, out_ptr, stride_out, coef_ptr, scale_ptr, w_ptr, stride_w, target_ptr,
                       target_coef_ptr, n_cols, V, HAS_TARGET: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.load(scale_ptr).to(tl.float32)
@@ -133,21 +133,21 @@ def _row_scale_kernel(src_ptr, stride_src, out_ptr, coef_ptr, scale_ptr, w_ptr, 
         if tc != 0.0:  # NaN (a poisoned row) too
             y = tl.minimum(tl.maximum(tl.load(target_ptr + row), 0), V - 1)
             v -= tc * tl.load(w_ptr + y * stride_w + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + cols, (v * g).to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+    tl.store(out_ptr + row * stride_out + cols, (v * g).to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
 def row_scale(src: torch.Tensor, coef: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
               target_term: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """out[r] = (src[r] * coef[r] - target_coef[r] * weight[target[r]]) * scale in out's dtype (float32
     math; the second term with ``target_term`` = (weight (V, m), target (n,), target_coef (n,))).
-    src (n, m) with unit-stride rows, out (n, m) contiguous; coef: (n,) float32; scale: 0-d."""
-    assert src.stride(1) == 1 and out.is_contiguous() and src.shape == out.shape
+    src and out (n, m) with unit-stride rows; coef: (n,) float32; scale: 0-d."""
+    assert src.stride(1) == 1 and out.stride(1) == 1 and src.shape == out.shape
     n, m = src.shape
     w, target, target_coef = target_term if target_term is not None else (src, coef, coef)
     if n and m:
         block = min(4096, triton.next_power_of_2(m))
         _row_scale_kernel[(n, triton.cdiv(m, block))](
-            src, src.stride(0), out, coef, scale, w, w.stride(0), target, target_coef, m, w.shape[0],
+            src, src.stride(0), out, out.stride(0), coef, scale, w, w.stride(0), target, target_coef, m, w.shape[0],
             HAS_TARGET=target_term is not None, BLOCK=block, num_warps=4)
     return out
 
