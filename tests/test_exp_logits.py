@@ -27,7 +27,16 @@ FP16_WINDOW = (-4.0, 8.0)  # exp(8) * V stays far below float16's 65504; exp(-ls
 
 
 @pytest.fixture
-def path(monkeypatch):
+def small_products(monkeypatch):
+    """Float32 product pieces of any width on these small shapes (``planner.product_cols``)."""
+    from flce import planner
+
+    monkeypatch.setattr(planner, "MIN_PRODUCT_ELEMENTS", 0)
+    monkeypatch.setattr(planner, "PRODUCT_ALIGN", 8)
+
+
+@pytest.fixture
+def path(monkeypatch, small_products):
     """Let the path run on small shapes (and under the interpreter in float16); record the calls that
     take it and those that fall back in backward."""
     monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
@@ -37,9 +46,8 @@ def path(monkeypatch):
     monkeypatch.setattr(exp_logits, "_cool_down", {})
     if not ON_HOPPER:
         monkeypatch.setattr(lt, "TILE", lt.TileConfig(32, 64, 16, 2, 4, 4))
-    seen = SimpleNamespace(taken=[], fell_back=[], pending=[], input_chunks=[])
-    forward, standard = exp_logits.forward_chunk, flce.function._redo_standard
-    input_chunk = exp_logits.input_grad_chunk
+    seen = SimpleNamespace(taken=[], fell_back=[], pending=[], chunks=[])
+    forward, standard, chunk = exp_logits.forward_chunk, flce.function._redo_standard, exp_logits.chunk_grads
 
     def counted_forward(*a, **k):
         seen.taken.append(1)
@@ -48,8 +56,7 @@ def path(monkeypatch):
     monkeypatch.setattr(exp_logits, "forward_chunk", counted_forward)
     monkeypatch.setattr(flce.function, "_redo_standard",
                         lambda *a, **k: seen.fell_back.append(1) or standard(*a, **k))
-    monkeypatch.setattr(exp_logits, "input_grad_chunk",
-                        lambda *a, **k: seen.input_chunks.append(a[0].shape[0]) or input_chunk(*a, **k))
+    monkeypatch.setattr(exp_logits, "chunk_grads", lambda *a, **k: seen.chunks.append(a[0].shape[0]) or chunk(*a, **k))
     return seen
 
 
@@ -185,8 +192,9 @@ def test_a_tile_far_below_the_rest_falls_back(path):
 
 
 @pytest.mark.parametrize("opts", [
-    {"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0}, {"reduction": "none"}, {"chunk_size": 16},
-    {"bias_grad": True}, {"return_stats": True}, {"dtype": torch.float32},
+    {"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0}, {"reduction": "none"},
+    {"reduction": "none", "chunk_size": 16}, {"bias_grad": True, "chunk_size": 16}, {"return_stats": True},
+    {"dtype": torch.float32}, {"dtype": torch.float32, "chunk_size": 16},
 ])
 def test_standard_path_where_it_does_not_apply(path, opts):
     opts = dict(opts)
@@ -196,7 +204,7 @@ def test_standard_path_where_it_does_not_apply(path, opts):
     out = flce.linear_cross_entropy(x, w, t, linear_bias=b, backend="triton", **opts)
     loss = out[0] if isinstance(out, tuple) else out
     loss.sum().backward()
-    assert path.taken == []
+    assert path.taken == [] and path.chunks == []
 
 
 def test_small_batches_keep_their_path(path, monkeypatch):
@@ -224,6 +232,73 @@ def test_in_place_change_after_forward_raises(path):
     assert path.taken == [1]
 
 
+# ---------------------------------------------------------------- several chunks (the standard path)
+
+@pytest.fixture
+def product_budget(monkeypatch):
+    from flce import planner
+
+    return lambda budget: monkeypatch.setattr(planner, "PRODUCT_BUDGET", budget)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("opts", [
+    {},
+    {"temperature": 1.3, "weight_cls": True},
+    {"bias": True, "weight_cls": True, "ignore": 0.3, "ignore_index": 3},
+])
+def test_chunks_match_float64(path, product_budget, reduction, opts):
+    """Chunks of 16 rows compute both gradients in forward from their stored exponentials: grad_input from
+    float32 products 16 of 32 columns at a time, grad_weight summed over the chunks in float32 with each
+    chunk's one-hot rows subtracted."""
+    product_budget(16 * 16 * 4)
+    opts = dict(opts)
+    inputs = case(**{k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts},
+                  ignore_index=opts.get("ignore_index", -100))
+    run_and_compare(*inputs, reduction=reduction, mode={"chunk_size": 16}, **opts)
+    assert path.chunks == [16, 16, 8] and path.taken == []
+
+
+@pytest.mark.parametrize("wanted", ["input", "weight"])
+def test_chunks_one_gradient_wanted(path, wanted):
+    x, w, b, t, cw = case(scale=0.3)
+    t[:10] = 5  # a run of one target across the first chunk
+    (w if wanted == "input" else x).requires_grad_(False)
+    run_and_compare(x, w, b, t, cw, mode={"chunk_size": 16})
+    assert path.chunks == [16, 16, 8]
+    assert (x.grad is None) == (wanted == "weight") and (w.grad is None) == (wanted == "input")
+
+
+def test_chunks_rows_out_of_the_window_fall_back(path):
+    """A row far beyond the window in the second chunk: the loss stands; backward queues its scaling, then
+    finds the miss and recomputes both gradients through the standard loop (the device cools down)."""
+    x, w, b, t, cw = case(scale=0.5)
+    with torch.no_grad():
+        x[21] *= 80.0 if DTYPE == torch.float16 else 800.0
+    loss = flce.linear_cross_entropy(x, w, t, backend="triton", chunk_size=16)
+    ref, _ = reference_loss(x, w, t)
+    assert_close(loss, ref, TOL[x.dtype], "loss")
+    loss.backward(torch.tensor(1.7, device=DEVICE))
+    assert path.chunks == [16, 16, 8]
+    assert exp_logits._cool_down[x.device] == exp_logits.COOL_DOWN - 1  # the recompute took one turn
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    flce.linear_cross_entropy(x2, w2, t, backend="triton", chunk_size=16).backward(torch.tensor(1.7, device=DEVICE))
+    assert path.chunks == [16, 16, 8]  # cooling down: the standard path from the start
+    assert_close(x.grad, x2.grad.double(), TOL[x.dtype] / 10, "grad_input")
+    assert_close(w.grad, w2.grad.double(), TOL[x.dtype] / 10, "grad_weight")
+
+
+def test_chunks_in_place_change_after_forward_raises(path):
+    """The chunks keep the inputs for a recompute: changing one before backward raises, as in eager."""
+    x, w, b, t, cw = case()
+    loss = flce.linear_cross_entropy(x, w, t, backend="triton", chunk_size=16)
+    with torch.no_grad():
+        x.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    assert path.chunks == [16, 16, 8]
+
+
 # ---------------------------------------------------------------- the low-memory mode's forward chunks
 
 @pytest.fixture
@@ -235,6 +310,7 @@ def low_memory_plan(monkeypatch):
     monkeypatch.setattr(lmp, "MIN_BLOCK_ELEMENTS", 0)
     monkeypatch.setattr(lmp, "BLOCK_ALIGN", 8)
     return lambda budget: monkeypatch.setattr(lmp, "LOW_MEMORY_BUDGET", budget)
+
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -251,7 +327,7 @@ def test_low_memory_chunks_match_float64(path, low_memory_plan, reduction, opts)
     inputs = case(**{k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts},
                   ignore_index=opts.get("ignore_index", -100))
     run_and_compare(*inputs, reduction=reduction, mode={"low_memory": True, "chunk_size": 16}, **opts)
-    assert path.input_chunks == [16, 16, 8] and path.taken == []
+    assert path.chunks == [16, 16, 8] and path.taken == []
 
 
 def test_low_memory_frozen_weight_and_one_chunk(path, low_memory_plan):
@@ -259,7 +335,7 @@ def test_low_memory_frozen_weight_and_one_chunk(path, low_memory_plan):
     x, w, b, t, cw = case(weight_cls=True)
     w.requires_grad_(False)
     run_and_compare(x, w, b, t, cw, mode={"low_memory": True})
-    assert path.input_chunks == [x.shape[0]]
+    assert path.chunks == [x.shape[0]]
 
 
 def test_low_memory_rows_out_of_the_window_fall_back(path, low_memory_plan):
@@ -274,12 +350,12 @@ def test_low_memory_rows_out_of_the_window_fall_back(path, low_memory_plan):
     loss = flce.linear_cross_entropy(x, w, t, backend="triton", **mode)
     ref, (x64, w64, _) = reference_loss(x, w, t)
     assert_close(loss, ref, TOL[x.dtype], "loss")
-    assert path.input_chunks == [16, 16, 8]
+    assert path.chunks == [16, 16, 8]
     loss.backward()
     assert exp_logits._cool_down[x.device] == exp_logits.COOL_DOWN - 1  # the recompute took one turn
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     flce.linear_cross_entropy(x2, w2, t, backend="triton", **mode).backward()
-    assert path.input_chunks == [16, 16, 8]  # cooling down: the standard path from the start
+    assert path.chunks == [16, 16, 8]  # cooling down: the standard path from the start
     # as the standard path computes them (at such logits the rounding of 16-bit logits dominates)
     assert_close(x.grad, x2.grad.double(), TOL[x.dtype] / 10, "grad_input")
     assert_close(w.grad, w2.grad.double(), TOL[x.dtype] / 10, "grad_weight")
@@ -291,7 +367,7 @@ def test_low_memory_unchecked_bad_target_gives_nan(path, low_memory_plan):
     t[4] = w.shape[0] + 3
     loss = flce.linear_cross_entropy(x, w, t, backend="triton", validate_target=False, low_memory=True)
     loss.backward()
-    assert path.input_chunks == [x.shape[0]] and torch.isnan(loss) and torch.isnan(x.grad[4]).all()
+    assert path.chunks == [x.shape[0]] and torch.isnan(loss) and torch.isnan(x.grad[4]).all()
     assert torch.isfinite(x.grad[:4]).all()
 
 

@@ -9,6 +9,7 @@ from test_api import check as api_check
 
 import flce
 from flce import low_memory_plan as lmp
+from flce import planner
 from flce.kernels import triton_available
 from flce.kernels.ce_block_torch import RowTerms, ce_block_torch
 from flce.options import LossOptions
@@ -325,8 +326,8 @@ def test_plan_at_the_llama3_head():
     # the exp-logits path's float32 grad_input product fits beside the buffer, in whole-tile pieces
     product = plan.rows * plan.input_product_cols * 4
     assert plan.rows * 128256 * (2 + lmp.STATS_BYTES_PER_COLUMN) + product <= lmp.LOW_MEMORY_BUDGET + grad_w_bytes
-    assert plan.input_product_cols % lmp.BLOCK_ALIGN == 0 and 4096 % plan.input_product_cols == 0
-    assert plan.input_product_cols * plan.rows >= lmp.MIN_BLOCK_ELEMENTS
+    assert plan.input_product_cols % planner.PRODUCT_ALIGN == 0 and 4096 % plan.input_product_cols == 0
+    assert plan.input_product_cols * plan.rows >= planner.MIN_PRODUCT_ELEMENTS
     frozen = lmp.plan_low_memory(8192, **HEAD, compute_dtype=torch.bfloat16, grad_dtype=torch.bfloat16,
                                  weight_grad=False)
     assert frozen.rows * 128256 * 2 <= lmp.LOW_MEMORY_BUDGET and frozen.rows % 64 == 0

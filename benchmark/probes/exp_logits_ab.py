@@ -5,7 +5,7 @@ floor (three cuBLAS GEMMs) timed the same way. Results: `results/2026-11-24-h200
 (H200) and `results/2026-11-24-h100-c4f27ea/exp_logits_ab_dcb7d1d.txt` (H100): at dcb7d1d 8192 rows 1.017
 against 1.024 (H200) and 1.015 against 1.029 (H100), 8192 x 2048 x 32000 1.059 / 1.072 and 1.064 / 1.084. GPU only:
 
-    PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7] [--low-memory]
+    PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7] [--low-memory] [--frozen-weight]
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def main():
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--low-memory", action="store_true", help="flce's low_memory=True mode (its forward chunks)")
+    p.add_argument("--frozen-weight", action="store_true", help="grad_input alone (a frozen LM head)")
     a = p.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     for spec in a.shapes.split(","):
@@ -41,8 +42,9 @@ def main():
             torch.mm(logits.t(), x)
 
         def flce_step():
-            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
-            torch.autograd.grad(flce.linear_cross_entropy(xl, wl, t, low_memory=a.low_memory), (xl, wl))
+            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_(not a.frozen_weight)
+            leaves = (xl,) if a.frozen_weight else (xl, wl)
+            torch.autograd.grad(flce.linear_cross_entropy(xl, wl, t, low_memory=a.low_memory), leaves)
 
         def variant(min_rows):
             def run():

@@ -21,8 +21,10 @@ check does) and, if any, the gradients are recomputed through the standard path 
 then takes the standard path for its next ``COOL_DOWN`` calls. Options that need every logit (label smoothing, z-loss,
 softcap, accuracy, a bias gradient) and reduction='none' take the standard path.
 
-The low-memory mode's forward chunks, which want grad_input alone, take the same path chunk by chunk
-(``input_grad_chunk``); their window check is read in that mode's backward (``low_memory.py``).
+Several chunks (which compute their gradients in forward: the standard path's, and the low-memory mode's
+forward, which wants grad_input alone) take the same path chunk by chunk (``chunk_grads``), grad_input
+from float32 products of the columns the plan has memory for (``ChunkPlan.input_product_cols``); their
+window check is read in backward, which then runs the forward's loop again on the standard path.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import HostCopy
-from .gemm import mm_into, mm_new
+from .gemm import mm_into
 from .options import LossOptions
 
 # Fewest rows: below, the pass saved is short and the path's own launches weigh more (small batches).
@@ -132,33 +134,60 @@ def forward_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                       (bias, class_weight, weight_sum))
 
 
-def input_grad_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-                     loss: torch.Tensor, lse: torch.Tensor, class_weight: torch.Tensor | None, scale: torch.Tensor,
-                     opts: LossOptions, e: torch.Tensor, misses: torch.Tensor, grad_input: torch.Tensor,
-                     product_cols: int) -> None:
-    """A chunk whose grad_input alone is wanted (the low-memory mode's forward): the logits GEMM storing
-    exp(z) into ``e``, the row kernel (loss, lse (m,) written; rows outside the window added to
-    ``misses``, (1,) int32), then grad_input = scale (diag(a) (e @ W) - c * W[y]) in ``product_cols``
-    columns at a time, each a float32 product rounded once into ``grad_input`` (m, H), any row stride.
-    x_c (m, H), w (V, H), e (m, V) contiguous, scale 0-d."""
+def chunk_grads(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                loss: torch.Tensor, lse: torch.Tensor, class_weight: torch.Tensor | None, scale: torch.Tensor,
+                opts: LossOptions, e: torch.Tensor, misses: torch.Tensor, grad_input: torch.Tensor | None,
+                grad_weight: torch.Tensor | None, accumulate: bool, product_cols: int) -> None:
+    """A chunk of several that computes its gradients in forward (the low-memory mode's forward, the
+    standard path's chunks): the logits GEMM storing exp(z) into ``e``, the row kernel (loss, lse (m,)
+    written; rows outside the window added to ``misses``, (1,) int32), then the gradients times ``scale``
+    (0-d): grad_input (m, H), any row stride, from float32 products of ``product_cols`` columns
+    (``input_grad``); grad_weight (V, H) written or, with ``accumulate``, added to (``weight_grad``).
+    x_c (m, H), w (V, H), e (m, V) contiguous."""
     from .kernels import logits_triton
-    from .kernels.exp_rows_triton import exp_rows, row_scale
+    from .kernels.exp_rows_triton import exp_rows
 
     m, vocab = e.shape
-    hidden = w.shape[1]
     stats = torch.empty(2, m, logits_triton.num_tiles(vocab), dtype=torch.float32, device=e.device)
     logits_triton.logits_with_tile_stats(x_c, w, bias, e, stats[0], stats[1], opts, store_exp=True)
     coef = torch.empty(2, m, dtype=torch.float32, device=e.device)
-    keys = torch.empty(m, dtype=torch.int32, device=e.device)  # grad_weight's sort keys: not used here
+    keys = torch.empty(m, dtype=torch.int32, device=e.device)
     exp_rows(e, x_c, w, bias, target, class_weight, (stats[0], stats[1]), loss, lse, coef[0], coef[1], keys, misses,
              opts, WINDOWS[e.dtype])
     del stats
+    if grad_input is not None:
+        input_grad(e, w, coef[0], target, coef[1], scale, grad_input, product_cols)
+    if grad_weight is not None:
+        weight_grad(e, x_c, coef[0], keys, coef[1], scale, grad_weight, accumulate)
+
+
+def input_grad(e: torch.Tensor, w: torch.Tensor, coef: torch.Tensor, target: torch.Tensor, target_coef: torch.Tensor,
+               scale: torch.Tensor, out: torch.Tensor, product_cols: int) -> torch.Tensor:
+    """out (m, H) = scale (diag(coef) (e @ W) - target_coef * W[target]), ``product_cols`` columns at a
+    time: each a float32 product, rows scaled and rounded once into out's dtype."""
+    from .kernels.exp_rows_triton import row_scale
+
+    m, hidden = out.shape
     product = torch.empty(m, min(product_cols, hidden), dtype=torch.float32, device=e.device)
     for start in range(0, hidden, product.shape[1]):
         end = min(start + product.shape[1], hidden)
         part = product.view(-1)[: m * (end - start)].view(m, end - start)  # contiguous, whatever its width
         mm_into(part, e, w[:, start:end], accumulate=False)
-        row_scale(part, coef[0], scale, grad_input[:, start:end], (w[:, start:end], target, coef[1]))
+        row_scale(part, coef, scale, out[:, start:end], (w[:, start:end], target, target_coef))
+    return out
+
+
+def weight_grad(e: torch.Tensor, x_c: torch.Tensor, coef: torch.Tensor, keys: torch.Tensor, target_coef: torch.Tensor,
+                scale: torch.Tensor, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    """out (V, H) (+)= scale (e^T @ (diag(coef) x_c) - onehot(keys)^T (target_coef * x_c)), the second term
+    row by row in float32 (``subtract_target_rows``)."""
+    from .kernels.exp_rows_triton import row_scale, subtract_target_rows
+
+    xs = row_scale(x_c, coef, scale, torch.empty(x_c.shape, dtype=x_c.dtype, device=x_c.device))
+    mm_into(out, e.t(), xs, accumulate=accumulate)
+    del xs
+    subtract_target_rows(out, x_c, keys, target_coef, scale)
+    return out
 
 
 def finish(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, g: torch.Tensor, needs: tuple[bool, bool, bool],
@@ -166,19 +195,14 @@ def finish(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, g: torch.Tensor, n
     """Backward: (grad_input, grad_weight) in ``dtypes`` (None where not needed) for grad_output g (0-d),
     or None if rows left the window (``function`` then runs the standard path). x_c, w: the forward's GEMM
     operands, from ``ctx.saved_tensors``."""
-    from .kernels.exp_rows_triton import row_scale, subtract_target_rows
-
     g_total = (g * p.scale).float()
     grad_x = grad_w = None
     if needs[1]:
-        xs = row_scale(x_c, p.coef, g_total, torch.empty(x_c.shape, dtype=x_c.dtype, device=x_c.device))
-        grad_w = mm_new(p.e.t(), xs, dtypes[1])
-        del xs
-        subtract_target_rows(grad_w, x_c, p.keys, p.target_coef, g_total)
+        grad_w = weight_grad(p.e, x_c, p.coef, p.keys, p.target_coef, g_total,
+                             torch.empty(w.shape, dtype=dtypes[1], device=w.device), accumulate=False)
     if needs[0]:
-        product = mm_new(p.e, w, torch.float32)  # the row scale and the one-hot term, then one rounding
-        grad_x = row_scale(product, p.coef, g_total, torch.empty(product.shape, dtype=dtypes[0], device=x_c.device),
-                           (w, p.target, p.target_coef))
+        grad_x = input_grad(p.e, w, p.coef, p.target, p.target_coef, g_total,
+                            torch.empty(x_c.shape, dtype=dtypes[0], device=x_c.device), x_c.shape[1])
     if p.check.missed():
         return None  # rows left the window: the caller recomputes through the standard path
     return grad_x, grad_w

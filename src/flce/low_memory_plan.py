@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from .planner import ROW_ALIGN, ChunkPlan, _balanced
+from .planner import ROW_ALIGN, ChunkPlan, _balanced, product_cols
 
 # Bytes that the mode may add to the peak (64 MiB: 256 rows of a 128256-entry bf16 vocabulary, or
 # 4096 vocabulary columns of 8192 rows).
@@ -69,7 +69,7 @@ def plan_low_memory(
     forward ends (and frees the buffer) before backward allocates it, so the peak is unchanged (at
     8192 x 4096 x 128256 bf16: 4096-row chunks instead of 256, whose GEMMs would be bound by reading W).
     What forward's budget leaves beside the buffer holds the float32 grad_input product of a chunk on the
-    exp-logits path (``input_product_cols`` at a time; 0 where less than a GPU wave of it fits).
+    exp-logits path (``input_product_cols`` at a time, ``planner.product_cols``).
     Backward's (n_rows, block_cols) dlogits buffer takes the budget, but at least ``MIN_BLOCK_ELEMENTS``
     of grad_weight per block (its GEMM fills the GPU), and whole tiles of ``BLOCK_ALIGN`` columns.
     """
@@ -88,7 +88,7 @@ def plan_low_memory(
         rows = min(chunk_size, n_rows)
         spare = memory_budget
     rows = max(rows, 1)
-    product_cols = _product_cols(spare, rows, hidden)
+    input_product_cols = product_cols(spare, rows, hidden)
 
     # Backward: the block's dlogits, its weight rows cast (autocast), and the input cast once.
     block_budget = memory_budget - (n_rows * hidden * size if input_cast else 0)
@@ -99,20 +99,8 @@ def plan_low_memory(
         cols = max(vocab, 1)
     else:  # near-equal blocks: no narrow last one
         cols = _round_up(_cdiv(vocab, _cdiv(vocab, cols)), BLOCK_ALIGN)
-    return LowMemoryPlan(n_rows=n_rows, rows=rows, accum_dtype=grad_dtype, input_product_cols=product_cols,
+    return LowMemoryPlan(n_rows=n_rows, rows=rows, accum_dtype=grad_dtype, input_product_cols=input_product_cols,
                          block_cols=cols)
-
-
-def _product_cols(spare: int, rows: int, hidden: int) -> int:
-    """Columns of a (rows, hidden) float32 product that ``spare`` bytes hold, in near-equal pieces of whole
-    tiles; 0 if fewer than ``MIN_BLOCK_ELEMENTS`` fit (a GEMM that short would not fill the GPU)."""
-    most = max(spare, 0) // (rows * 4)
-    if most >= hidden:
-        return hidden
-    most = most // BLOCK_ALIGN * BLOCK_ALIGN
-    if most == 0 or most * rows < MIN_BLOCK_ELEMENTS:
-        return 0
-    return min(_round_up(_cdiv(hidden, _cdiv(hidden, most)), BLOCK_ALIGN), most)
 
 
 def _cdiv(a: int, b: int) -> int:
