@@ -47,7 +47,7 @@ def path(monkeypatch, small_products):
     if not ON_HOPPER:
         monkeypatch.setattr(lt, "TILE", lt.TileConfig(32, 64, 16, 2, 4, 4))
     seen = SimpleNamespace(taken=[], fell_back=[], pending=[], chunks=[])
-    forward, standard, chunk = exp_logits.forward_chunk, flce.function._redo_standard, exp_logits.chunk_grads
+    forward, standard, chunk = exp_logits.forward_chunk, flce.function._redo_standard, exp_logits.input_grad_chunk
 
     def counted_forward(*a, **k):
         seen.taken.append(1)
@@ -56,7 +56,7 @@ def path(monkeypatch, small_products):
     monkeypatch.setattr(exp_logits, "forward_chunk", counted_forward)
     monkeypatch.setattr(flce.function, "_redo_standard",
                         lambda *a, **k: seen.fell_back.append(1) or standard(*a, **k))
-    monkeypatch.setattr(exp_logits, "chunk_grads", lambda *a, **k: seen.chunks.append(a[0].shape[0]) or chunk(*a, **k))
+    monkeypatch.setattr(exp_logits, "input_grad_chunk", lambda *a, **k: seen.chunks.append(a[0].shape[0]) or chunk(*a, **k))
     return seen
 
 
@@ -193,8 +193,7 @@ def test_a_tile_far_below_the_rest_falls_back(path):
 
 @pytest.mark.parametrize("opts", [
     {"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0}, {"reduction": "none"},
-    {"reduction": "none", "chunk_size": 16}, {"bias_grad": True, "chunk_size": 16}, {"return_stats": True},
-    {"dtype": torch.float32}, {"dtype": torch.float32, "chunk_size": 16},
+    {"chunk_size": 16}, {"bias_grad": True}, {"return_stats": True}, {"dtype": torch.float32},
 ])
 def test_standard_path_where_it_does_not_apply(path, opts):
     opts = dict(opts)
@@ -230,73 +229,6 @@ def test_in_place_change_after_forward_raises(path):
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
     assert path.taken == [1]
-
-
-# ---------------------------------------------------------------- several chunks (the standard path)
-
-@pytest.fixture
-def product_budget(monkeypatch):
-    from flce import planner
-
-    return lambda budget: monkeypatch.setattr(planner, "PRODUCT_BUDGET", budget)
-
-
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("opts", [
-    {},
-    {"temperature": 1.3, "weight_cls": True},
-    {"bias": True, "weight_cls": True, "ignore": 0.3, "ignore_index": 3},
-])
-def test_chunks_match_float64(path, product_budget, reduction, opts):
-    """Chunks of 16 rows compute both gradients in forward from their stored exponentials: grad_input from
-    float32 products 16 of 32 columns at a time, grad_weight summed over the chunks in float32 with each
-    chunk's one-hot rows subtracted."""
-    product_budget(16 * 16 * 4)
-    opts = dict(opts)
-    inputs = case(**{k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts},
-                  ignore_index=opts.get("ignore_index", -100))
-    run_and_compare(*inputs, reduction=reduction, mode={"chunk_size": 16}, **opts)
-    assert path.chunks == [16, 16, 8] and path.taken == []
-
-
-@pytest.mark.parametrize("wanted", ["input", "weight"])
-def test_chunks_one_gradient_wanted(path, wanted):
-    x, w, b, t, cw = case(scale=0.3)
-    t[:10] = 5  # a run of one target across the first chunk
-    (w if wanted == "input" else x).requires_grad_(False)
-    run_and_compare(x, w, b, t, cw, mode={"chunk_size": 16})
-    assert path.chunks == [16, 16, 8]
-    assert (x.grad is None) == (wanted == "weight") and (w.grad is None) == (wanted == "input")
-
-
-def test_chunks_rows_out_of_the_window_fall_back(path):
-    """A row far beyond the window in the second chunk: the loss stands; backward queues its scaling, then
-    finds the miss and recomputes both gradients through the standard loop (the device cools down)."""
-    x, w, b, t, cw = case(scale=0.5)
-    with torch.no_grad():
-        x[21] *= 80.0 if DTYPE == torch.float16 else 800.0
-    loss = flce.linear_cross_entropy(x, w, t, backend="triton", chunk_size=16)
-    ref, _ = reference_loss(x, w, t)
-    assert_close(loss, ref, TOL[x.dtype], "loss")
-    loss.backward(torch.tensor(1.7, device=DEVICE))
-    assert path.chunks == [16, 16, 8]
-    assert exp_logits._cool_down[x.device] == exp_logits.COOL_DOWN - 1  # the recompute took one turn
-    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    flce.linear_cross_entropy(x2, w2, t, backend="triton", chunk_size=16).backward(torch.tensor(1.7, device=DEVICE))
-    assert path.chunks == [16, 16, 8]  # cooling down: the standard path from the start
-    assert_close(x.grad, x2.grad.double(), TOL[x.dtype] / 10, "grad_input")
-    assert_close(w.grad, w2.grad.double(), TOL[x.dtype] / 10, "grad_weight")
-
-
-def test_chunks_in_place_change_after_forward_raises(path):
-    """The chunks keep the inputs for a recompute: changing one before backward raises, as in eager."""
-    x, w, b, t, cw = case()
-    loss = flce.linear_cross_entropy(x, w, t, backend="triton", chunk_size=16)
-    with torch.no_grad():
-        x.mul_(2.0)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward()
-    assert path.chunks == [16, 16, 8]
 
 
 # ---------------------------------------------------------------- the low-memory mode's forward chunks

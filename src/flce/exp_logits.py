@@ -21,10 +21,10 @@ check does) and, if any, the gradients are recomputed through the standard path 
 then takes the standard path for its next ``COOL_DOWN`` calls. Options that need every logit (label smoothing, z-loss,
 softcap, accuracy, a bias gradient) and reduction='none' take the standard path.
 
-Several chunks (which compute their gradients in forward: the standard path's, and the low-memory mode's
-forward, which wants grad_input alone) take the same path chunk by chunk (``chunk_grads``), grad_input
-from float32 products of the columns the plan has memory for (``ChunkPlan.input_product_cols``); their
-window check is read in backward, which then runs the forward's loop again on the standard path.
+The low-memory mode's forward chunks, which want grad_input alone, take the same path chunk by chunk
+(``input_grad_chunk``), grad_input from float32 products of the columns its plan has memory for
+(``ChunkPlan.input_product_cols``); their window check is read in that mode's backward (``low_memory.py``).
+The standard path's several chunks keep the CE pass: on the path they were no faster (benchmark/NOTES.md).
 """
 
 from __future__ import annotations
@@ -134,16 +134,14 @@ def forward_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                       (bias, class_weight, weight_sum))
 
 
-def chunk_grads(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-                loss: torch.Tensor, lse: torch.Tensor, class_weight: torch.Tensor | None, scale: torch.Tensor,
-                opts: LossOptions, e: torch.Tensor, misses: torch.Tensor, grad_input: torch.Tensor | None,
-                grad_weight: torch.Tensor | None, accumulate: bool, product_cols: int) -> None:
-    """A chunk of several that computes its gradients in forward (the low-memory mode's forward, the
-    standard path's chunks): the logits GEMM storing exp(z) into ``e``, the row kernel (loss, lse (m,)
-    written; rows outside the window added to ``misses``, (1,) int32), then the gradients times ``scale``
-    (0-d): grad_input (m, H), any row stride, from float32 products of ``product_cols`` columns
-    (``input_grad``); grad_weight (V, H) written or, with ``accumulate``, added to (``weight_grad``).
-    x_c (m, H), w (V, H), e (m, V) contiguous."""
+def input_grad_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                     loss: torch.Tensor, lse: torch.Tensor, class_weight: torch.Tensor | None, scale: torch.Tensor,
+                     opts: LossOptions, e: torch.Tensor, misses: torch.Tensor, grad_input: torch.Tensor,
+                     product_cols: int) -> None:
+    """A chunk whose grad_input alone is wanted in forward (the low-memory mode's): the logits GEMM storing
+    exp(z) into ``e``, the row kernel (loss, lse (m,) written; rows outside the window added to ``misses``,
+    (1,) int32), then grad_input (m, H), any row stride, times ``scale`` (0-d), from float32 products of
+    ``product_cols`` columns (``input_grad``). x_c (m, H), w (V, H), e (m, V) contiguous."""
     from .kernels import logits_triton
     from .kernels.exp_rows_triton import exp_rows
 
@@ -151,14 +149,11 @@ def chunk_grads(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, t
     stats = torch.empty(2, m, logits_triton.num_tiles(vocab), dtype=torch.float32, device=e.device)
     logits_triton.logits_with_tile_stats(x_c, w, bias, e, stats[0], stats[1], opts, store_exp=True)
     coef = torch.empty(2, m, dtype=torch.float32, device=e.device)
-    keys = torch.empty(m, dtype=torch.int32, device=e.device)
+    keys = torch.empty(m, dtype=torch.int32, device=e.device)  # grad_weight's sort keys: not used here
     exp_rows(e, x_c, w, bias, target, class_weight, (stats[0], stats[1]), loss, lse, coef[0], coef[1], keys, misses,
              opts, WINDOWS[e.dtype])
     del stats
-    if grad_input is not None:
-        input_grad(e, w, coef[0], target, coef[1], scale, grad_input, product_cols)
-    if grad_weight is not None:
-        weight_grad(e, x_c, coef[0], keys, coef[1], scale, grad_weight, accumulate)
+    input_grad(e, w, coef[0], target, coef[1], scale, grad_input, product_cols)
 
 
 def input_grad(e: torch.Tensor, w: torch.Tensor, coef: torch.Tensor, target: torch.Tensor, target_coef: torch.Tensor,

@@ -48,7 +48,7 @@ class ChunkGrads:
     weight: torch.Tensor | None  # in the plan's accumulator dtype
     bias: torch.Tensor | None  # in the math dtype (float32, or float64 for float64 logits)
     # Chunks that took the exp-logits path (``plan.input_product_cols``): if its check misses in backward,
-    # the gradients must be recomputed with the path off.
+    # grad_input must be recomputed with the path off (the low-memory Function does).
     window: exp_logits.WindowCheck | None = None
 
 
@@ -151,9 +151,8 @@ def chunk_loop(
     # One chunk: its GEMM allocates the logits (small batches are launch-bound: one host call fewer).
     buffer = torch.empty(plan.rows, vocab, dtype=compute_dtype, device=dev) if plan.num_chunks > 1 else None
     row_scale = grad and grad_scale.dim() == 1
-    # Chunks that compute their gradients in forward may store exp(logits) where the plan budgets the product.
-    exp_chunks = (not defer and (need_x or need_w) and not need_b and plan.input_product_cols > 0
-                  and exp_logits.take_turn(dev))
+    # Chunks that compute grad_input alone may store exp(logits) where the plan budgets the product.
+    exp_input = need_x and not (need_w or need_b) and plan.input_product_cols > 0 and exp_logits.take_turn(dev)
     misses = None
     for i, (start, end) in enumerate(plan.bounds()):
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
@@ -163,12 +162,12 @@ def chunk_loop(
             return parts, exp_logits.forward_chunk(x_c, w, bias, target, parts.loss, parts.lse, parts.total,
                                                    class_weight, weight_sum, grad_scale, opts, counts)
         out = _take(buffer, slice(None, end - start))
-        if exp_chunks and exp_logits.eligible(x_c, w, bias, grad_scale, opts, want_correct, backend):
+        if exp_input and exp_logits.eligible(x_c, w, bias, grad_scale, opts, want_correct, backend):
             misses = torch.zeros(1, dtype=torch.int32, device=dev) if misses is None else misses
             e = torch.empty(end - start, vocab, dtype=compute_dtype, device=dev) if out is None else out
-            exp_logits.chunk_grads(x_c, w, bias, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
-                                   class_weight, grad_scale, opts, e, misses, _take(grads.input, rows), grads.weight,
-                                   i > 0, plan.input_product_cols)
+            exp_logits.input_grad_chunk(x_c, w, bias, _take(target, rows), _take(parts.loss, rows),
+                                        _take(parts.lse, rows), class_weight, grad_scale, opts, e, misses,
+                                        _take(grads.input, rows), plan.input_product_cols)
             continue
         logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend)
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
@@ -268,9 +267,6 @@ def finish_forward(ctx, parts: LossParts, grads, grad_scale: torch.Tensor | None
         if isinstance(grads, (PendingGrads, PendingExp)):
             ctx.save_for_backward(grads.x, grads.w)
             grads.x = grads.w = None  # backward reads them from saved_tensors only
-        elif grads.window is not None:  # what the standard path needs if the exp-logits check misses
-            ctx.save_for_backward(*saved)
-            ctx.redo_scale = grad_scale
         else:
             ctx.save_for_backward(weight_as_used)
         ctx.grads = grads
@@ -405,11 +401,4 @@ def _input_grads(ctx, loop, spec: LoopSpec, needs, dtypes, g: torch.Tensor) -> l
     elif grads is None:  # reduction="none": run the loop again with the per-row grad_output
         _, grads = loop(*saved, g.contiguous(), needs, spec)
         g = None
-    elif grads.window is not None:  # exp-logits chunks: the window check waits with the scaling queued
-        window, out = grads.window, scale_grads(grads, g, dtypes, spec.backend)
-        del grads  # the accumulator, before a recompute allocates another
-        if not window.missed():
-            return out
-        out = None
-        _, grads = loop(*saved, ctx.redo_scale, needs, spec)  # the device cools down: the standard path
     return scale_grads(grads, g, dtypes, spec.backend)

@@ -22,10 +22,9 @@ ROW_ALIGN = 64
 # cuBLAS's 256-row tiles of the grad_input GEMM filling whole waves on a 132-SM Hopper GPU (H100, 32768
 # rows: 6144-row chunks 148.7 ms, 4096 149.9, but 5504, a third of a wave short, 154.6 against 151.7).
 WAVE_ROWS = 1024
-# Bytes of the float32 grad_input product of a chunk on the exp-logits path (``exp_logits.chunk_grads``),
-# in pieces of whole tiles of PRODUCT_ALIGN columns, each at least MIN_PRODUCT_ELEMENTS (128 output tiles
-# of 128 x 256: about one wave on a 132-SM GPU); 48 MiB at 6144 rows and H = 4096.
-PRODUCT_BUDGET = 64 * 2**20
+# A chunk's float32 grad_input product on the exp-logits path (``exp_logits.input_grad_chunk``, where a plan
+# budgets it) runs in pieces of whole tiles of PRODUCT_ALIGN columns, each at least MIN_PRODUCT_ELEMENTS
+# (128 output tiles of 128 x 256: about one wave on a 132-SM GPU).
 PRODUCT_ALIGN = 128
 MIN_PRODUCT_ELEMENTS = 2**22
 
@@ -34,8 +33,8 @@ MIN_PRODUCT_ELEMENTS = 2**22
 class ChunkPlan:
     """rows: rows per chunk (the last one may be shorter); accum_dtype: grad_weight accumulator dtype;
     input_product_cols: grad_input columns per float32 product GEMM when a chunk computes grad_input alone
-    from stored exponentials (``exp_logits.input_grad_chunk``), 0 where the plan budgets no such product
-    (those chunks then take the standard path)."""
+    from stored exponentials (``exp_logits.input_grad_chunk``; the low-memory plan budgets it), 0 where the
+    plan budgets no such product (those chunks take the standard path)."""
 
     n_rows: int
     rows: int
@@ -62,7 +61,6 @@ def plan_chunks(
     accum_dtype: torch.dtype | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     weight_grad_hidden: int = 0,
-    product_hidden: int = 0,
 ) -> ChunkPlan:
     """Choose chunk rows and the grad_weight accumulator dtype.
 
@@ -72,8 +70,6 @@ def plan_chunks(
         chunk_size: rows per chunk chosen by the user (None: from ``memory_budget``).
         accum_dtype: accumulator chosen by the user (None: precise by default, see below).
         weight_grad_hidden: H when the weight gradient is wanted (0 otherwise).
-        product_hidden: H when chunks may take the exp-logits path (0 otherwise): several chunks then get
-            ``input_product_cols`` from ``PRODUCT_BUDGET`` (one chunk defers its GEMMs to backward instead).
 
     With the weight gradient wanted and the default accumulator, memory is spent where chunking would
     spend it anyway. One chunk whenever every row's logits fit in the budget plus the float32 (V, H)
@@ -104,8 +100,7 @@ def plan_chunks(
     if accum_dtype is None:
         single = n_rows <= rows
         accum_dtype = grad_dtype if single or grad_dtype.itemsize >= 4 else torch.float32
-    cols = product_cols(PRODUCT_BUDGET, rows, product_hidden) if rows < n_rows else 0
-    return ChunkPlan(n_rows=n_rows, rows=rows, accum_dtype=accum_dtype, input_product_cols=cols)
+    return ChunkPlan(n_rows=n_rows, rows=rows, accum_dtype=accum_dtype)
 
 
 def product_cols(budget: int, rows: int, hidden: int) -> int:
