@@ -108,13 +108,6 @@ def test_matches_float64(path, reduction, opts):
     assert path.taken == [1] and path.fell_back == []
 
 
-def test_whole_tile_epilogue(path, monkeypatch):
-    """Above logits_triton.SPLIT_MAX_ROWS the GEMM stores each tile's exponentials in one piece."""
-    monkeypatch.setattr(lt, "SPLIT_MAX_ROWS", 0)
-    run_and_compare(*case(bias=True, weight_cls=True, ignore=0.2), temperature=1.3)
-    assert path.taken == [1] and path.fell_back == []
-
-
 def test_confident_and_repeated_targets(path):
     """Both ways of the one-hot term: rows whose target holds p_y >= 1/2 (folded into e) and the others
     (subtracted apart, runs of rows with one target summed together), and ignored rows among them."""

@@ -54,10 +54,7 @@ def tile_stats_of(logits: torch.Tensor, opts: LossOptions, block_n: int):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("opts", OPTIONS)
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("split", [True, False])
-def test_gemm_and_tile_stats_match_float64(fused, monkeypatch, dtype, opts, with_bias, split):
-    """Both epilogues: the tile in two column halves (up to SPLIT_MAX_ROWS rows) and whole."""
-    monkeypatch.setattr(lt, "SPLIT_MAX_ROWS", 1 << 30 if split else 0)
+def test_gemm_and_tile_stats_match_float64(fused, dtype, opts, with_bias):
     n, hidden, vocab = 70, 48, 600  # partial row and column tiles
     x = torch.randn(n, hidden, device=DEVICE).to(dtype)
     w = (torch.randn(vocab, hidden, device=DEVICE) / hidden**0.5 * 3).to(dtype)

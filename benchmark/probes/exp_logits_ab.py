@@ -6,15 +6,10 @@ floor (three cuBLAS GEMMs) timed the same way. Results: `results/2026-11-24-h200
 against 1.024 (H200) and 1.015 against 1.029 (H100), 8192 x 2048 x 32000 1.059 / 1.072 and 1.064 / 1.084. GPU only:
 
     PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7] [--low-memory] [--frozen-weight]
-        [--switch split-epilogue]
-
-``--switch split-epilogue`` turns off instead the Hopper GEMMs' epilogue in two column halves
-(``logits_triton.config_for``, ``block_gemm_triton.TILE``).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
 from unittest.mock import patch
@@ -23,13 +18,6 @@ import torch
 
 import flce
 from flce import exp_logits
-from flce.kernels import block_gemm_triton, logits_triton
-
-SWITCHES = {  # what turns each feature off
-    "exp-logits": lambda: [patch.object(exp_logits, "MIN_ROWS", 1 << 62)],
-    "split-epilogue": lambda: [patch.object(logits_triton, "SPLIT_MAX_ROWS", 0),
-                               patch.object(block_gemm_triton, "TILE", logits_triton.TileConfig())],
-}
 
 
 def main():
@@ -39,7 +27,6 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--low-memory", action="store_true", help="flce's low_memory=True mode (its forward chunks)")
     p.add_argument("--frozen-weight", action="store_true", help="grad_input alone (a frozen LM head)")
-    p.add_argument("--switch", default="exp-logits", choices=sorted(SWITCHES), help="the feature turned off")
     a = p.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     for spec in a.shapes.split(","):
@@ -59,13 +46,13 @@ def main():
             leaves = (xl,) if a.frozen_weight else (xl, wl)
             torch.autograd.grad(flce.linear_cross_entropy(xl, wl, t, low_memory=a.low_memory), leaves)
 
-        def off():
-            with contextlib.ExitStack() as stack:
-                for p in SWITCHES[a.switch]():
-                    stack.enter_context(p)
-                flce_step()
+        def variant(min_rows):
+            def run():
+                with patch.object(exp_logits, "MIN_ROWS", min_rows):
+                    flce_step()
+            return run
 
-        fns = {"floor": floor, "flce": flce_step, f"flce, {a.switch} off": off}
+        fns = {"floor": floor, "flce": variant(exp_logits.MIN_ROWS), "flce, exp-logits off": variant(1 << 62)}
         times = {k: [] for k in fns}
         for r in range(a.rounds + 1):
             order = list(fns) if r % 2 else list(fns)[::-1]

@@ -18,12 +18,9 @@ from . import logits_triton
 from .ce_block_torch import RowTerms
 from .ce_block_triton import _block_grad, row_arguments
 from .ce_triton import _sm_count
-from .logits_triton import TileConfig, _tile_coords, halves, tile_logits
+from .logits_triton import TileConfig, _tile_coords, tile_logits
 
-# logits_triton's tile with its epilogue split in two column halves (``logits_triton.config_for``;
-# benchmark/probes/subtile_probe.py, H100: 1.079 against 1.089x cuBLAS at 8192 rows x 4096 columns, 1.108
-# against 1.121 at 32768 x 1024). Tests shrink it for the interpreter.
-TILE = TileConfig(split=True)
+TILE = TileConfig()  # logits_triton's tile; tests shrink it for the interpreter
 
 
 @triton.jit
@@ -32,40 +29,19 @@ def _block_grad_gemm_kernel(x_desc, w_desc, out_desc, bias_ptr, target_ptr, lse_
                             HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                             HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                            PROGRAMS: tl.constexpr, SPLIT: tl.constexpr):
+                            PROGRAMS: tl.constexpr):
     grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
         m0, n0 = pid_m * BM, pid_n * BN
         acc, cols = tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS, BM, BN, BK)
+        # The logits as forward stored them (rounded), so that their softmax matches the saved lse.
+        raw = acc.to(out_desc.dtype).to(tl.float32)
         rows = (m0 + tl.arange(0, BM)).to(tl.int64)
-        if SPLIT:
-            a0, a1 = halves(acc, BM, BN)
-            c0 = n0 + tl.arange(0, BN // 2)
-            _store_grad(a0, rows, c0, out_desc, m0, n0, M, N, col_start, target_ptr, lse_ptr, scale_ptr,
+        g = _block_grad(raw, rows, rows < M, col_start + cols, cols < N, target_ptr, lse_ptr, scale_ptr,
                         class_weight_ptr, weight_sum_ptr, V, ignore_index, smoothing, z_loss, softcap, inv_temp,
                         HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP, SCALE_PER_ROW)
-            _store_grad(a1, rows, c0 + BN // 2, out_desc, m0, n0 + BN // 2, M, N, col_start, target_ptr, lse_ptr,
-                        scale_ptr, class_weight_ptr, weight_sum_ptr, V, ignore_index, smoothing, z_loss, softcap,
-                        inv_temp, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP, SCALE_PER_ROW)
-        else:
-            _store_grad(acc, rows, cols, out_desc, m0, n0, M, N, col_start, target_ptr, lse_ptr, scale_ptr,
-                        class_weight_ptr, weight_sum_ptr, V, ignore_index, smoothing, z_loss, softcap, inv_temp,
-                        HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP, SCALE_PER_ROW)
-
-
-@triton.jit
-def _store_grad(acc, rows, cols, out_desc, m0, n0, M, N, col_start, target_ptr, lse_ptr, scale_ptr, class_weight_ptr,
-                weight_sum_ptr, V, ignore_index, smoothing, z_loss, softcap, inv_temp, HAS_WEIGHT: tl.constexpr,
-                HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                SCALE_PER_ROW: tl.constexpr):
-    """The gradient of the logits ``acc`` at ``rows`` and block columns ``cols``, stored at (m0, n0)."""
-    # The logits as forward stored them (rounded), so that their softmax matches the saved lse.
-    raw = acc.to(out_desc.dtype).to(tl.float32)
-    g = _block_grad(raw, rows, rows < M, col_start + cols, cols < N, target_ptr, lse_ptr, scale_ptr,
-                    class_weight_ptr, weight_sum_ptr, V, ignore_index, smoothing, z_loss, softcap, inv_temp,
-                    HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP, SCALE_PER_ROW)
-    out_desc.store([m0, n0], g.to(out_desc.dtype))
+        out_desc.store([m0, n0], g.to(out_desc.dtype))
 
 
 def supported(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Tensor | None, out: torch.Tensor) -> bool:
@@ -90,9 +66,9 @@ def block_logits_grad_triton(x: torch.Tensor, w_block: torch.Tensor, b_block: to
     _block_grad_gemm_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [bm, bk]),
         TensorDescriptor.from_tensor(w_block, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn // 2 if config.split else bn]),
+        TensorDescriptor.from_tensor(out, [bm, bn]),
         terms.lse if b_block is None else b_block,
         *pointers, n, cols, hidden, col_start, vocab, *scalars, HAS_BIAS=b_block is not None, **flags,
-        BM=bm, BN=bn, BK=bk, GROUP=config.group, PROGRAMS=programs, SPLIT=config.split,
+        BM=bm, BN=bn, BK=bk, GROUP=config.group, PROGRAMS=programs,
         num_stages=config.stages, num_warps=config.warps,
     )

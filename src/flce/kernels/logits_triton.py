@@ -34,20 +34,9 @@ class TileConfig(NamedTuple):
     stages: int = 3
     warps: int = 8
     group: int = 8
-    split: bool = False  # the epilogue in two halves of block_n / 2 columns (see config_for)
 
 
 TILE = TileConfig()
-# Up to this many rows the logits GEMM finishes each tile in two halves: half the epilogue's live
-# temporaries and half the TMA store's staging buffer, which frees the shared memory for a fourth
-# pipeline stage (benchmark/probes/subtile_probe.py, H100: 4096 x 4096 x 128256 1.036 against 1.071x
-# cuBLAS, 1024 rows 1.025 against 1.040; at 8192 rows 1.032 against 1.014, so not there).
-SPLIT_MAX_ROWS = 4096
-
-
-def config_for(rows: int) -> TileConfig:
-    """The logits GEMM's tile for a chunk of ``rows``: TILE, split with one more stage up to SPLIT_MAX_ROWS."""
-    return TILE if rows > SPLIT_MAX_ROWS else TILE._replace(stages=TILE.stages + 1, split=True)
 # Fewest chunk rows for this path: below it the GEMM is a memory-bound pass over W that cuBLAS serves
 # well and the CE kernel's reads are few (small batches keep their launch-count-tuned path).
 MIN_ROWS = 256
@@ -78,41 +67,23 @@ def tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS: tl.constexpr, 
 
 
 @triton.jit
-def halves(acc, BM: tl.constexpr, BN: tl.constexpr):
-    """A (BM, BN) tile as its two (BM, BN / 2) column halves."""
-    return tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
-
-
-@triton.jit
 def _logits_stats_kernel(x_desc, w_desc, out_desc, bias_ptr, max_ptr, sum_ptr, M, N, K, inv_temp, softcap,
                          HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, STORE_EXP: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                         PROGRAMS: tl.constexpr, SPLIT: tl.constexpr):
+                         PROGRAMS: tl.constexpr):
     grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     # One program per SM walks the tiles; flatten lets the next tile's loads start during this epilogue.
     for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
         m0, n0 = pid_m * BM, pid_n * BN
         acc, cols = tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS, BM, BN, BK)
-        if SPLIT:
-            a0, a1 = halves(acc, BM, BN)
-            c0 = n0 + tl.arange(0, BN // 2)
-            if STORE_EXP:
-                z0, z1 = _masked(a0 * inv_temp, c0, N), _masked(a1 * inv_temp, c0 + BN // 2, N)
-                row_max = tl.maximum(tl.max(z0, 1), tl.max(z1, 1))  # the whole tile's, as without the split
-                row_sum = _store_exp_part(z0, row_max, out_desc, m0, n0)
-                row_sum += _store_exp_part(z1, row_max, out_desc, m0, n0 + BN // 2)
-            else:
-                z0 = _store_part(a0, c0, out_desc, m0, n0, N, inv_temp, softcap, HAS_SOFTCAP)
-                z1 = _store_part(a1, c0 + BN // 2, out_desc, m0, n0 + BN // 2, N, inv_temp, softcap, HAS_SOFTCAP)
-                row_max = tl.maximum(tl.max(z0, 1), tl.max(z1, 1))
-                row_sum = tl.sum(tl.exp(z0 - row_max[:, None]), 1) + tl.sum(tl.exp(z1 - row_max[:, None]), 1)
-        elif STORE_EXP:
-            z = _masked(acc * inv_temp, cols, N)
-            row_max = tl.max(z, 1)
-            row_sum = _store_exp_part(z, row_max, out_desc, m0, n0)
+        if STORE_EXP:
+            row_max, row_sum = _store_exp(acc, cols, out_desc, m0, n0, N, inv_temp)
         else:
-            z = _store_part(acc, cols, out_desc, m0, n0, N, inv_temp, softcap, HAS_SOFTCAP)
+            out = acc.to(out_desc.dtype)
+            out_desc.store([m0, n0], out)
+            # Statistics of the stored (rounded) logits: the values the CE kernel will read back.
+            z = tl.where(cols[None, :] < N, capped(out.to(tl.float32), inv_temp, softcap, HAS_SOFTCAP), float("-inf"))
             row_max = tl.max(z, 1)
             row_sum = tl.sum(tl.exp(z - row_max[:, None]), 1)
         rows = m0 + tl.arange(0, BM)
@@ -129,28 +100,16 @@ EXP_LOW = tl.constexpr(-80.0)
 
 
 @triton.jit
-def _masked(z, cols, N):
-    return tl.where(cols[None, :] < N, z, float("-inf"))
-
-
-@triton.jit
-def _store_part(acc, cols, out_desc, m0, n0, N, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
-    """Store the logits (rounded) at (m0, n0) and return them as the CE kernel will read them back: after
-    temperature and softcap, -inf beyond column N. The statistics are those of these values."""
-    out = acc.to(out_desc.dtype)
-    out_desc.store([m0, n0], out)
-    return _masked(capped(out.to(tl.float32), inv_temp, softcap, HAS_SOFTCAP), cols, N)
-
-
-@triton.jit
-def _store_exp_part(z, row_max, out_desc, m0, n0):
-    """Store e = exp(z - shift) at (m0, n0), z unrounded and shift = 0 unless the row's tile max lies
-    outside [EXP_LOW, EXP_HIGH] (then the max), and return each row's sum of exp(z - max): one exp per
-    logit, no branch that would stall the tile loop."""
+def _store_exp(acc, cols, out_desc, m0, n0, N, inv_temp):
+    """Store e = exp(z - shift), z = acc / T unrounded and shift = 0 unless the row's tile max lies outside
+    [EXP_LOW, EXP_HIGH] (then the max), and return each row's tile max of z and sum of exp(z - max): one
+    exp per logit, no branch that would stall the tile loop."""
+    z = tl.where(cols[None, :] < N, acc * inv_temp, float("-inf"))
+    row_max = tl.max(z, 1)
     shift = tl.where((row_max > EXP_HIGH) | (row_max < EXP_LOW), row_max, 0.0)
     e = tl.exp(z - shift[:, None])
     out_desc.store([m0, n0], e.to(out_desc.dtype))
-    return tl.sum(e, 1) * tl.exp(shift - row_max)
+    return row_max, tl.sum(e, 1) * tl.exp(shift - row_max)
 
 
 def num_tiles(vocab: int) -> int:
@@ -217,13 +176,13 @@ def logits_with_tile_stats(
     assert not (store_exp and opts.softcap is not None), "store_exp takes no softcap"
     n, hidden = x_c.shape
     vocab = weight.shape[0]
-    config = config_for(n)  # reads TILE at call time: tests shrink it for the interpreter
+    config = TILE  # read at call time: tests shrink it for the interpreter
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     programs = min(_sm_count(x_c.device.index), triton.cdiv(n, bm) * triton.cdiv(vocab, bn))
     _logits_stats_kernel[(programs,)](
         TensorDescriptor.from_tensor(x_c, [bm, bk]),
         TensorDescriptor.from_tensor(weight, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn // 2 if config.split else bn]),
+        TensorDescriptor.from_tensor(out, [bm, bn]),
         bias if bias is not None else tile_max,
         tile_max,
         tile_sum,
@@ -240,7 +199,6 @@ def logits_with_tile_stats(
         BK=bk,
         GROUP=config.group,
         PROGRAMS=programs,
-        SPLIT=config.split,
         num_stages=config.stages,
         num_warps=config.warps,
     )
