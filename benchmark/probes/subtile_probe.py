@@ -7,7 +7,12 @@ staging buffer, which lets a 4-stage pipeline fit in shared memory (the whole-ti
 
 Times, against cuBLAS's plain GEMM: the low-memory backward's block GEMM with the gradient in its epilogue
 at its two block shapes, and the logits GEMM with tile statistics at the cells where it trails cuBLAS
-most (H 2048, fewer rows). Each variant is checked against flce's kernel first. GPU only:
+most (H 2048, fewer rows). Each variant is checked against flce's kernel first. Result (H100,
+`results/2026-11-24-h100-c4f27ea/subtile_probe_4ca2ffc.txt`): the block GEMM 1.076-1.079 against 1.089x
+cuBLAS at 8192 rows, 1.108 against 1.121 at 32768; the logits GEMM 1.036 against 1.071 at 4096 rows and
+1.025 against 1.040 at 1024 (4 stages), equal at H 2048, 1.024-1.032 against 1.014 at 8192 rows. Inside a
+step on an H200 (4ca2ffc, `results/2026-11-24-h200-827518b/split_epilogue_ab_4ca2ffc.txt`) equal or slower:
+not kept. GPU only:
 
     PYTHONPATH=src:benchmark python benchmark/probes/subtile_probe.py
 """
