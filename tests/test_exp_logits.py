@@ -288,9 +288,23 @@ def test_low_memory_rows_out_of_the_window_fall_back(path, low_memory_plan):
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     flce.linear_cross_entropy(x2, w2, t, backend="triton", **mode).backward()
     assert path.chunks == [16, 16, 8]  # cooling down: the standard path from the start
+    assert exp_logits._cool_down[x.device] == exp_logits.COOL_DOWN - 2  # one turn per call, not per chunk
     # as the standard path computes them (at such logits the rounding of 16-bit logits dominates)
     assert_close(x.grad, x2.grad.double(), TOL[x.dtype] / 10, "grad_input")
     assert_close(w.grad, w2.grad.double(), TOL[x.dtype] / 10, "grad_weight")
+
+
+def test_low_memory_cool_down_counts_calls_that_could_take_the_path(path, low_memory_plan):
+    """While the device cools down, a call whose chunks could not take the path anyway (float32) leaves the
+    count alone; one that could takes one turn, however many chunks it has."""
+    low_memory_plan(1 << 20)
+    exp_logits._cool_down[DEVICE] = 5
+    x, w, b, t, cw = case(dtype=torch.float32)
+    flce.linear_cross_entropy(x, w, t, backend="triton", low_memory=True, chunk_size=16).backward()
+    assert exp_logits._cool_down[DEVICE] == 5
+    x, w, b, t, cw = case()
+    flce.linear_cross_entropy(x, w, t, backend="triton", low_memory=True, chunk_size=16).backward()
+    assert exp_logits._cool_down[DEVICE] == 4 and path.chunks == []
 
 
 def test_low_memory_unchecked_bad_target_gives_nan(path, low_memory_plan):

@@ -152,7 +152,7 @@ def chunk_loop(
     buffer = torch.empty(plan.rows, vocab, dtype=compute_dtype, device=dev) if plan.num_chunks > 1 else None
     row_scale = grad and grad_scale.dim() == 1
     # Chunks that compute grad_input alone may store exp(logits) where the plan budgets the product.
-    exp_input = need_x and not (need_w or need_b) and plan.input_product_cols > 0 and exp_logits.take_turn(dev)
+    exp_input = need_x and not (need_w or need_b) and plan.input_product_cols > 0
     misses = None
     for i, (start, end) in enumerate(plan.bounds()):
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
@@ -163,12 +163,15 @@ def chunk_loop(
                                                    class_weight, weight_sum, grad_scale, opts, counts)
         out = _take(buffer, slice(None, end - start))
         if exp_input and exp_logits.eligible(x_c, w, bias, grad_scale, opts, want_correct, backend):
-            misses = torch.zeros(1, dtype=torch.int32, device=dev) if misses is None else misses
-            e = torch.empty(end - start, vocab, dtype=compute_dtype, device=dev) if out is None else out
-            exp_logits.input_grad_chunk(x_c, w, bias, _take(target, rows), _take(parts.loss, rows),
-                                        _take(parts.lse, rows), class_weight, grad_scale, opts, e, misses,
-                                        _take(grads.input, rows), plan.input_product_cols)
-            continue
+            if misses is None and not exp_logits.take_turn(dev):
+                exp_input = False  # the device cools down after a miss: this call keeps the standard path
+            else:
+                misses = torch.zeros(1, dtype=torch.int32, device=dev) if misses is None else misses
+                e = torch.empty(end - start, vocab, dtype=compute_dtype, device=dev) if out is None else out
+                exp_logits.input_grad_chunk(x_c, w, bias, _take(target, rows), _take(parts.loss, rows),
+                                            _take(parts.lse, rows), class_weight, grad_scale, opts, e, misses,
+                                            _take(grads.input, rows), plan.input_product_cols)
+                continue
         logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend)
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
                  _take(parts.correct, rows), class_weight, weight_sum,
