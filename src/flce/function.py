@@ -13,6 +13,9 @@ reduction="none" the per-row grad_output is only known in backward, so there the
 A single chunk on Hopper in bf16 (1024 rows or more, the common options) goes further: its logits GEMM
 stores exp(logits), a row kernel takes the loss and row coefficients from the GEMM's statistics, and
 backward's GEMMs run on the exponentials with the rows scaled: no CE pass at all (``exp_logits.py``).
+Chunks that compute grad_input alone (the low-memory mode's forward) take that path chunk by chunk where
+the plan budgets their float32 product (``ChunkPlan.input_product_cols``); their window check goes back
+with the gradients (``ChunkGrads.window``) for that mode's backward to read.
 
 Autograd's contracts: what backward reads of the caller's tensors (a single chunk's GEMM operands, or
 every input for reduction="none") goes through ``save_for_backward``, so an in-place change between
