@@ -298,13 +298,13 @@ def test_low_memory_cool_down_counts_calls_that_could_take_the_path(path, low_me
     """While the device cools down, a call whose chunks could not take the path anyway (float32) leaves the
     count alone; one that could takes one turn, however many chunks it has."""
     low_memory_plan(1 << 20)
-    exp_logits._cool_down[DEVICE] = 5
     x, w, b, t, cw = case(dtype=torch.float32)
+    exp_logits._cool_down[x.device] = 5  # keyed by the tensors' device (cuda:0, not cuda)
     flce.linear_cross_entropy(x, w, t, backend="triton", low_memory=True, chunk_size=16).backward()
-    assert exp_logits._cool_down[DEVICE] == 5
+    assert exp_logits._cool_down[x.device] == 5
     x, w, b, t, cw = case()
     flce.linear_cross_entropy(x, w, t, backend="triton", low_memory=True, chunk_size=16).backward()
-    assert exp_logits._cool_down[DEVICE] == 4 and path.chunks == []
+    assert exp_logits._cool_down[x.device] == 4 and path.chunks == []
 
 
 def test_low_memory_unchecked_bad_target_gives_nan(path, low_memory_plan):
