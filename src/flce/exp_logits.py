@@ -115,21 +115,15 @@ def forward_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                   loss: torch.Tensor, lse: torch.Tensor, total: torch.Tensor | None,
                   class_weight: torch.Tensor | None, weight_sum: torch.Tensor | None, grad_scale: torch.Tensor,
                   opts: LossOptions, counts: torch.Tensor | None) -> PendingExp:
-    """The logits GEMM storing exp(z), then the row kernel: loss and lse (n,) written, the rest kept for
-    backward. x_c (n, H), w (V, H), bias (V,) or None, target (n,); ``counts``/``total``/``grad_scale``
-    as in ``kernels.ce_chunk`` (with counts the kernel writes grad_scale and the mean into total)."""
-    from .kernels import logits_triton
-    from .kernels.exp_rows_triton import exp_rows
-
-    n, vocab = x_c.shape[0], w.shape[0]
-    e = torch.empty(n, vocab, dtype=x_c.dtype, device=x_c.device)
-    stats = torch.empty(2, n, logits_triton.num_tiles(vocab), dtype=torch.float32, device=x_c.device)
-    logits_triton.logits_with_tile_stats(x_c, w, bias, e, stats[0], stats[1], opts, store_exp=True)
-    coef = torch.empty(2, n, dtype=torch.float32, device=x_c.device)
+    """The single deferred chunk: exp(z) stored and the row kernel run (``_store_exp_and_rows``), the rest
+    kept for backward. x_c (n, H), w (V, H), bias (V,) or None, target (n,); ``counts``/``total``/
+    ``grad_scale`` as in ``kernels.ce_chunk`` (with counts the kernel writes grad_scale and the mean)."""
+    n = x_c.shape[0]
+    e = torch.empty(n, w.shape[0], dtype=x_c.dtype, device=x_c.device)
     ints = torch.zeros(n + 1, dtype=torch.int32, device=x_c.device)  # the keys, then the window's count
     keys, misses = ints[:n], ints[n:]
-    exp_rows(e, x_c, w, bias, target, class_weight, (stats[0], stats[1]), loss, lse, coef[0], coef[1], keys, misses,
-             opts, WINDOWS[x_c.dtype], counts, total, grad_scale if counts is not None else None)
+    coef = _store_exp_and_rows(x_c, w, bias, target, class_weight, opts, e, loss, lse, keys, misses, counts, total,
+                               grad_scale if counts is not None else None)
     return PendingExp(e, coef[0], coef[1], keys, target, x_c, w, grad_scale, WindowCheck(misses),
                       (bias, class_weight, weight_sum))
 
@@ -138,10 +132,20 @@ def input_grad_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
                      loss: torch.Tensor, lse: torch.Tensor, class_weight: torch.Tensor | None, scale: torch.Tensor,
                      opts: LossOptions, e: torch.Tensor, misses: torch.Tensor, grad_input: torch.Tensor,
                      product_cols: int) -> None:
-    """A chunk whose grad_input alone is wanted in forward (the low-memory mode's): the logits GEMM storing
-    exp(z) into ``e``, the row kernel (loss, lse (m,) written; rows outside the window added to ``misses``,
+    """A chunk whose grad_input alone is wanted in forward (the low-memory mode's): exp(z) stored into
+    ``e`` and the row kernel run (``_store_exp_and_rows``; rows outside the window added to ``misses``,
     (1,) int32), then grad_input (m, H), any row stride, times ``scale`` (0-d), from float32 products of
     ``product_cols`` columns (``input_grad``). x_c (m, H), w (V, H), e (m, V) contiguous."""
+    keys = torch.empty(x_c.shape[0], dtype=torch.int32, device=e.device)  # grad_weight's sort keys: not used
+    coef = _store_exp_and_rows(x_c, w, bias, target, class_weight, opts, e, loss, lse, keys, misses)
+    input_grad(e, w, coef[0], target, coef[1], scale, grad_input, product_cols)
+
+
+def _store_exp_and_rows(x_c, w, bias, target, class_weight, opts: LossOptions, e, loss, lse, keys, misses,
+                        counts=None, total=None, grad_scale=None) -> torch.Tensor:
+    """The logits GEMM storing exp(z) into e (m, V), then the row kernel (``exp_rows``: loss, lse and keys
+    (m,) written, rows outside the window added to misses). Returns (2, m) float32: each row's coefficient
+    a and its one-hot term's coefficient (0 where folded into e)."""
     from .kernels import logits_triton
     from .kernels.exp_rows_triton import exp_rows
 
@@ -149,11 +153,9 @@ def input_grad_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
     stats = torch.empty(2, m, logits_triton.num_tiles(vocab), dtype=torch.float32, device=e.device)
     logits_triton.logits_with_tile_stats(x_c, w, bias, e, stats[0], stats[1], opts, store_exp=True)
     coef = torch.empty(2, m, dtype=torch.float32, device=e.device)
-    keys = torch.empty(m, dtype=torch.int32, device=e.device)  # grad_weight's sort keys: not used here
     exp_rows(e, x_c, w, bias, target, class_weight, (stats[0], stats[1]), loss, lse, coef[0], coef[1], keys, misses,
-             opts, WINDOWS[e.dtype])
-    del stats
-    input_grad(e, w, coef[0], target, coef[1], scale, grad_input, product_cols)
+             opts, WINDOWS[e.dtype], counts, total, grad_scale)
+    return coef
 
 
 def input_grad(e: torch.Tensor, w: torch.Tensor, coef: torch.Tensor, target: torch.Tensor, target_coef: torch.Tensor,
@@ -173,13 +175,13 @@ def input_grad(e: torch.Tensor, w: torch.Tensor, coef: torch.Tensor, target: tor
 
 
 def weight_grad(e: torch.Tensor, x_c: torch.Tensor, coef: torch.Tensor, keys: torch.Tensor, target_coef: torch.Tensor,
-                scale: torch.Tensor, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
-    """out (V, H) (+)= scale (e^T @ (diag(coef) x_c) - onehot(keys)^T (target_coef * x_c)), the second term
-    row by row in float32 (``subtract_target_rows``)."""
+                scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (V, H) = scale (e^T @ (diag(coef) x_c) - onehot(keys)^T (target_coef * x_c)), the second term row
+    by row in float32 (``subtract_target_rows``)."""
     from .kernels.exp_rows_triton import row_scale, subtract_target_rows
 
     xs = row_scale(x_c, coef, scale, torch.empty(x_c.shape, dtype=x_c.dtype, device=x_c.device))
-    mm_into(out, e.t(), xs, accumulate=accumulate)
+    mm_into(out, e.t(), xs, accumulate=False)
     del xs
     subtract_target_rows(out, x_c, keys, target_coef, scale)
     return out
@@ -194,7 +196,7 @@ def finish(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, g: torch.Tensor, n
     grad_x = grad_w = None
     if needs[1]:
         grad_w = weight_grad(p.e, x_c, p.coef, p.keys, p.target_coef, g_total,
-                             torch.empty(w.shape, dtype=dtypes[1], device=w.device), accumulate=False)
+                             torch.empty(w.shape, dtype=dtypes[1], device=w.device))
     if needs[0]:
         grad_x = input_grad(p.e, w, p.coef, p.target, p.target_coef, g_total,
                             torch.empty(x_c.shape, dtype=dtypes[0], device=x_c.device), x_c.shape[1])
