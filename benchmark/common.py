@@ -100,32 +100,55 @@ def _ms(sample: tuple[Any, Any] | float) -> float:
     return sample[0].elapsed_time(sample[1]) if isinstance(sample, tuple) else sample
 
 
+def neighbour_cycle(names: list[str], rng: random.Random) -> list[str]:
+    """A closed walk in which every method follows every method, itself included, exactly once: an
+    Eulerian circuit of the complete directed graph with loops on ``names`` (Hierholzer's algorithm, edges
+    taken in ``rng``'s order). len(names)**2 + 1 entries, first and last ``names[0]``."""
+    exits = {a: rng.sample(names, len(names)) for a in names}  # each method's followers not yet walked
+    stack, circuit = [names[0]], []
+    while stack:
+        if exits[stack[-1]]:
+            stack.append(exits[stack[-1]].pop())
+        else:
+            circuit.append(stack.pop())
+    return circuit[::-1]
+
+
 def mixed_times(make_calls: dict[str, Callable[[], Callable[[], Any]]], rounds: int, device: torch.device,
                 failed: Callable[[str, BaseException], None]) -> dict[str, list[float]]:
-    """Milliseconds per call of each method, taking turns one call at a time: every round calls each
-    method once (fresh inputs from its ``make_calls`` entry, each call between two CUDA events, no sync
-    between calls), in an order shuffled per round (seeded), so that each method follows different
-    ones. One untimed round first. A method that raises is reported to ``failed`` and leaves the rounds.
+    """Milliseconds per call of each method, taking turns one call at a time (fresh inputs from its
+    ``make_calls`` entry, each call between two CUDA events, no sync between calls), in an order where
+    every method follows every method, itself included, equally often (:func:`neighbour_cycle`, seeded;
+    whole walks, each timing every method len(make_calls) times, about ``rounds`` in all). One untimed call
+    of each first. A method that
+    raises is reported to ``failed`` and leaves the rotation.
 
     This is how a step meets its neighbours in a real program: the allocator's cache, the L2 and the
     GPU's clock are left as the previous (possibly heavy) method left them, not as its own warm-up did.
+    The neighbours are the same for every method: a GPU under its power limit runs any call 2-6% faster
+    after a light neighbour than after a GEMM-heavy one (benchmark/NOTES.md, Two readings), so a method
+    never timed after itself, as in one shuffled call per method per round, would be favoured if it is
+    the heaviest of all (the floor).
     """
     live = list(make_calls)
     samples: list[tuple[str, tuple[Any, Any] | float]] = []
     cuda = device.type == "cuda"
-    for r in range(rounds + 1):
-        order = list(live)
-        random.Random(r).shuffle(order)  # a new neighbour before each method, the same in every run
-        for name in order:
-            try:
-                sample = _timed(make_calls[name](), cuda)
-            except Exception as exc:  # noqa: BLE001 - one failing method must not end the run
-                failed(name, exc)
-                live.remove(name)
-                free_memory(device)
-                continue
-            if r:
-                samples.append((name, sample))
+    rng = random.Random(0)
+    order = live[1:] + live[:1]  # untimed, each once, ending where every walk starts and ends
+    for _ in range(max(1, round(rounds / len(live)))):  # whole walks: each method timed len(live) times a walk
+        order += neighbour_cycle(live, rng)[1:]
+    for i, name in enumerate(order):
+        if name not in live:
+            continue
+        try:
+            sample = _timed(make_calls[name](), cuda)
+        except Exception as exc:  # noqa: BLE001 - one failing method must not end the run
+            failed(name, exc)
+            live.remove(name)
+            free_memory(device)
+            continue
+        if i >= len(make_calls):
+            samples.append((name, sample))
     if cuda:
         torch.cuda.synchronize(device)
     times: dict[str, list[float]] = {n: [] for n in live}

@@ -237,6 +237,30 @@ def test_measure_steps_takes_both_readings_with_fresh_inputs():
     assert out["c"]["status"].startswith("error: ZeroDivisionError") and math.isnan(out["c"]["median_ms"])
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 9])
+def test_neighbour_cycle_has_every_ordered_pair_once(k):
+    names = [f"m{i}" for i in range(k)]
+    walk = common.neighbour_cycle(names, common.random.Random(k))
+    assert len(walk) == k * k + 1 and walk[0] == walk[-1] == names[0]
+    pairs = list(zip(walk, walk[1:]))
+    assert sorted(pairs) == sorted((a, b) for a in names for b in names)
+
+
+def test_mixed_reading_gives_every_method_the_same_neighbours():
+    """Each timed call's predecessor: every method (itself included) equally often, for every method."""
+    trace = []
+
+    def maker(name):
+        return lambda: (lambda: trace.append(name))
+    names = ["flce", "floor", "eager", "compile"]
+    times = common.mixed_times({n: maker(n) for n in names}, 8, torch.device("cpu"), lambda *a: None)
+    assert all(len(v) == 8 for v in times.values())
+    timed = list(zip(trace[len(names) - 1:], trace[len(names):]))  # (predecessor, method) of each timed call
+    for name in names:
+        before = [p for p, m in timed if m == name]
+        assert sorted(before) == sorted(names * 2)
+
+
 def test_compact_table_fits_100_columns(monkeypatch):
     rows = []
     for method in suite_lce.METHODS:
