@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from .planner import ROW_ALIGN, ChunkPlan, _balanced, product_cols
+from .planner import ROW_ALIGN, ChunkPlan, _balanced, cdiv, product_cols, round_up
 
 # Bytes that the mode may add to the peak (64 MiB: 256 rows of a 128256-entry bf16 vocabulary, or
 # 4096 vocabulary columns of 8192 rows).
@@ -94,18 +94,10 @@ def plan_low_memory(
     block_budget = memory_budget - (n_rows * hidden * size if input_cast else 0)
     col_bytes = max((n_rows + (hidden if weight_cast else 0)) * size, 1)
     cols = max(block_budget, 0) // col_bytes // BLOCK_ALIGN * BLOCK_ALIGN
-    cols = max(cols, _round_up(_cdiv(MIN_BLOCK_ELEMENTS, max(hidden, 1)), BLOCK_ALIGN), BLOCK_ALIGN)
+    cols = max(cols, round_up(cdiv(MIN_BLOCK_ELEMENTS, max(hidden, 1)), BLOCK_ALIGN), BLOCK_ALIGN)
     if cols >= vocab:
         cols = max(vocab, 1)
     else:  # near-equal blocks: no narrow last one
-        cols = _round_up(_cdiv(vocab, _cdiv(vocab, cols)), BLOCK_ALIGN)
+        cols = round_up(cdiv(vocab, cdiv(vocab, cols)), BLOCK_ALIGN)
     return LowMemoryPlan(n_rows=n_rows, rows=rows, accum_dtype=grad_dtype, input_product_cols=input_product_cols,
                          block_cols=cols)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, multiple: int) -> int:
-    return _cdiv(a, multiple) * multiple

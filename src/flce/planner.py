@@ -112,12 +112,15 @@ def product_cols(budget: int, rows: int, hidden: int) -> int:
     most = most // PRODUCT_ALIGN * PRODUCT_ALIGN
     if most == 0 or most * rows < MIN_PRODUCT_ELEMENTS:
         return 0
-    pieces = _cdiv(hidden, most)
-    return min(_cdiv(_cdiv(hidden, pieces), PRODUCT_ALIGN) * PRODUCT_ALIGN, most)
+    return min(round_up(cdiv(hidden, cdiv(hidden, most)), PRODUCT_ALIGN), most)
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def round_up(a: int, multiple: int) -> int:
+    return cdiv(a, multiple) * multiple
 
 
 def weight_grad_hidden(weight: torch.Tensor) -> int:
