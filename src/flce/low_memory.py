@@ -152,11 +152,11 @@ class LowMemoryFunction(torch.autograd.Function):
         if ctx.window is not None and ctx.window.missed():
             # Rows left the exp-logits window: forward again on the standard path, whose lse matches the
             # rounded logits that the blocks recompute, and the blocks again with it (rare: the device
-            # then cools down).
+            # then cools down). The first results go before forward's buffer comes back: the mode's peak.
+            grad_x = grad_w = grad_b = None
             parts, grads = loop(x, weight, bias, target, class_weight, weight_sum,
                                 _forward_scale(grad_scale, spec, x.device), (True, False, False), spec)
             grad_x = _scale_input_grad(grads.input, g, dtypes[0], spec)
-            grad_w = grad_b = None  # freed first: the peak stays the mode's
             grad_w, grad_b = _weight_grads(x, weight, bias, target, class_weight, weight_sum, parts.lse, block_scale,
                                            needs, spec)
         if grad_b is not None:
