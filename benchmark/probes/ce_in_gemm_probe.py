@@ -231,24 +231,45 @@ def main():
            ceiling=ceiling)
 
 
-def timing(x, w, target, p, tile_max, tile_sum, z_target, gx, gw, scale_args, ceiling):
+def median_ms(device):
+    """med(fn, reps=10): the median ms of ``reps`` calls of fn after two untimed ones."""
     from common import timed_calls
 
+    return lambda fn, reps=10: statistics.median(timed_calls(fn, 2, reps, device))
+
+
+def flce_step(x, w, target):
+    """One flce forward + backward on fresh leaves, as a training step runs it."""
     import flce
 
+    def run():
+        xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+        torch.autograd.grad(flce.linear_cross_entropy(xl, wl, target), (xl, wl))
+    return run
+
+
+def compare_steps(steps: dict, med, rounds: int = 5) -> dict[str, list[float]]:
+    """Each step's median ms over ``rounds`` interleaved rounds (the clock follows the load), printed
+    against the first step (the floor); returns every round's reading."""
+    samples = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            samples[name].append(med(fn, 5))
+    base = statistics.median(next(iter(samples.values())))
+    for name, v in samples.items():
+        ms = statistics.median(v)
+        print(f"step {name:52s} {ms:8.3f} ms  {ms / base:6.3f}x floor   (rounds: "
+              f"{', '.join(f'{t:.2f}' for t in v)})", flush=True)
+    return samples
+
+
+def timing(x, w, target, p, tile_max, tile_sum, z_target, gx, gw, scale_args, ceiling):
     device = x.device
     fwd_cfg, gin_cfgs, gw_cfgs = scale_args
     _, scale, g = combine(tile_max, tile_sum, z_target)
     logits = torch.empty(p.shape, device=device, dtype=x.dtype)
     dl = torch.randn(p.shape, device=device).mul_(1e-4).to(x.dtype)
-
-    def med(fn, reps=10):
-        return statistics.median(timed_calls(fn, 2, reps, device))
-
-    def flce_step():
-        xl = x.detach().requires_grad_()
-        wl = w.detach().requires_grad_()
-        torch.autograd.grad(flce.linear_cross_entropy(xl, wl, target), (xl, wl))
+    med = median_ms(device)
 
     def floor():
         torch.mm(x, w.t(), out=logits)
@@ -279,16 +300,8 @@ def timing(x, w, target, p, tile_max, tile_sum, z_target, gx, gw, scale_args, ce
     best_gin = min((c for c in gin_cfgs if f"grad_input prologue {c}" in times),
                    key=lambda c: times[f"grad_input prologue {c}"])
     best_gw = min((c for c in gw_cfgs if f"grad_W prologue {c}" in times), key=lambda c: times[f"grad_W prologue {c}"])
-    steps = {"floor (3 cuBLAS GEMMs)": floor, "flce step": flce_step,
-             f"ceiling ({best_gin} / {best_gw})": lambda: ceiling(best_gin, best_gw)}
-    samples = {k: [] for k in steps}
-    for _ in range(5):  # interleaved rounds: the clock follows the load
-        for name, fn in steps.items():
-            samples[name].append(med(fn, 5))
-    base = statistics.median(samples["floor (3 cuBLAS GEMMs)"])
-    for name, s in samples.items():
-        ms = statistics.median(s)
-        print(f"step {name:52s} {ms:8.3f} ms  {ms / base:6.3f}x floor", flush=True)
+    compare_steps({"floor (3 cuBLAS GEMMs)": floor, "flce step": flce_step(x, w, target),
+                   f"ceiling ({best_gin} / {best_gw})": lambda: ceiling(best_gin, best_gw)}, med)
 
 
 if __name__ == "__main__":

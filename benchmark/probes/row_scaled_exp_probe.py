@@ -27,12 +27,11 @@ TRITON_INTERPRET=1, in float16, whose narrow range the small logits fit):
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import triton
 import triton.language as tl
-from ce_in_gemm_probe import reference, rel  # the sibling probe's float32 reference (same folder)
+from ce_in_gemm_probe import compare_steps, flce_step, median_ms, reference, rel  # the sibling probe's
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flce.kernels.logits_triton import TILE, _tile_coords
@@ -184,8 +183,6 @@ def main():
 
 
 def timing(args_, ref_gx, ref_gw):
-    from common import timed_calls
-
     import flce
 
     x, w, c, target, e, tile_sum, gx, gw = args_
@@ -206,13 +203,7 @@ def timing(args_, ref_gx, ref_gw):
         stats = torch.empty(2, x.shape[0], num_tiles(w.shape[0]), device=device)
         logits_with_tile_stats(x, w, None, out, stats[0], stats[1], LossOptions())
 
-    def med(fn, reps=10):
-        return statistics.median(timed_calls(fn, 2, reps, device))
-
-    def flce_step():
-        xl = x.detach().requires_grad_()
-        wl = w.detach().requires_grad_()
-        torch.autograd.grad(flce.linear_cross_entropy(xl, wl, target), (xl, wl))
+    med = median_ms(device)
 
     def floor():
         torch.mm(x, w.t(), out=logits)
@@ -239,18 +230,9 @@ def timing(args_, ref_gx, ref_gw):
     }
     for name, fn in parts.items():
         print(f"  {name:44s} {med(fn):8.3f} ms", flush=True)
-    steps = {"floor (3 cuBLAS GEMMs)": floor, "flce step": flce_step,
-             "row-scaled exp step": lambda: step(*args_),
-             "row-scaled exp step, glue kernel": lambda: step(*args_, xs=xs)}
-    samples = {k: [] for k in steps}
-    for _ in range(5):  # interleaved rounds: the clock follows the load
-        for name, fn in steps.items():
-            samples[name].append(med(fn, 5))
-    base = statistics.median(samples["floor (3 cuBLAS GEMMs)"])
-    for name, v in samples.items():
-        ms = statistics.median(v)
-        print(f"step {name:28s} {ms:8.3f} ms  {ms / base:6.3f}x floor   (rounds: "
-              f"{', '.join(f'{t:.2f}' for t in v)})", flush=True)
+    compare_steps({"floor (3 cuBLAS GEMMs)": floor, "flce step": flce_step(x, w, target),
+                   "row-scaled exp step": lambda: step(*args_),
+                   "row-scaled exp step, glue kernel": lambda: step(*args_, xs=xs)}, med)
 
 
 if __name__ == "__main__":
