@@ -3,6 +3,8 @@ and fused GEMM against the torch twin, its plan, autograd contracts, and (GPU) p
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from reference import TOL, assert_close, chunked_reference_grads, reference_loss, rel_err
 from test_api import OPTION_SETS, make_case
 from test_api import check as api_check
@@ -103,6 +105,42 @@ def test_autocast_bf16_with_fp32_master_weights(backend, device, blocks):
     assert w.grad.dtype == x.grad.dtype == b.grad.dtype == torch.float32
     assert_close(loss, ref, 3e-2, "loss")
     for name, got, want in (("grad_input", x.grad, x64.grad), ("grad_weight", w.grad, w64.grad),
+                            ("grad_bias", b.grad, b64.grad)):
+        assert_close(got, want, 3e-2, name)
+
+
+@pytest.fixture
+def borrowed(monkeypatch, blocks):
+    """Blocks of 16 columns in the buffer, and count the blocks whose scratch is grad_weight's storage."""
+    import flce.low_memory as lm
+
+    blocks(16)
+    calls = []
+    real = lm._borrow
+    monkeypatch.setattr(lm, "_borrow", lambda *a: calls.append(a[2]) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_in_the_weight_gradient(backend, device, borrowed, dtype, reduction):
+    """The first blocks keep their dlogits in grad_weight's rows that later blocks write: every gradient
+    still matches float64 (and the bias's, summed from those dlogits)."""
+    check(backend, dtype, device, shape=(50,), hidden=24, vocab=1000, reduction=reduction, bias=True, ignore=0.2,
+          chunk_size=16, label_smoothing=0.1, z_loss=1e-3)
+    assert borrowed
+
+
+def test_blocks_in_the_weight_gradient_under_autocast(backend, device, borrowed):
+    """float32 weights under bf16 autocast: a borrowed block also keeps its weight rows cast to bf16 there."""
+    x, w, b, t, _ = make_case((50,), 24, 1000, torch.float32, device, bias=True, ignore=0.2)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, backend=backend, chunk_size=16, low_memory=True)
+    loss.backward()
+    ref, (x64, w64, b64) = reference_loss(x, w, t, linear_bias=b)
+    ref.backward()
+    assert any(shape[0] == 50 for shape in borrowed) and any(shape[1] == 24 for shape in borrowed)  # dz, w rows
+    for name, got, want in (("loss", loss, ref), ("grad_input", x.grad, x64.grad), ("grad_weight", w.grad, w64.grad),
                             ("grad_bias", b.grad, b64.grad)):
         assert_close(got, want, 3e-2, name)
 
@@ -309,6 +347,15 @@ def test_end_to_end_with_the_hopper_gemms(fused, blocks, reduction):
     assert len(fused) == 5  # blocks of 128, 128, 128, 128, 8 columns (16-byte aligned rows)
 
 
+@needs_triton
+def test_hopper_gemms_on_borrowed_blocks(fused, borrowed):
+    """The fused block GEMM writes dlogits into grad_weight's rows that later blocks write (TMA stores into a
+    view of the gradient's storage)."""
+    check("triton", torch.float16, DEVICE, shape=(40,), hidden=32, vocab=520, chunk_size=16, label_smoothing=0.1)
+    plan = lmp.plan_low_memory(40, 520, 32, torch.float16, torch.float16, weight_grad=True, chunk_size=16)
+    assert borrowed and len(fused) == len(list(plan.blocks(520))) < len(list(plan.blocks(520, borrow=False)))
+
+
 # ---------------------------------------------------------------- the plan
 
 HEAD = dict(vocab=128256, hidden=4096)
@@ -338,16 +385,48 @@ def test_plan_at_the_llama3_head():
 def test_plan_covers_rows_and_columns_once(n, vocab, hidden):
     plan = lmp.plan_low_memory(n, vocab, hidden, torch.bfloat16, torch.bfloat16, weight_grad=True)
     chunks = [e - s for s, e in plan.bounds()]
-    blocks = list(plan.blocks(vocab))
     assert sum(chunks) == n and all(c > 0 for c in chunks)
-    assert blocks[0][0] == 0 and blocks[-1][1] == vocab and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
-    widths = [e - s for s, e in blocks]
-    assert 0 < widths[-1] <= widths[0] and set(widths[:-1]) <= {plan.block_cols}
-    assert plan.block_cols % lmp.BLOCK_ALIGN == 0 or len(blocks) == 1
     assert 0 <= plan.input_product_cols <= hidden
+    check_blocks(plan, vocab)
+    buffered = [b for b in plan.blocks(vocab) if b.scratch is None]
+    assert plan.block_cols % lmp.BLOCK_ALIGN == 0 or len(buffered) == 1
     # backward's buffer: the budget, unless a block would leave the grad_weight GEMM short of a wave
     min_cols = -(-lmp.MIN_BLOCK_ELEMENTS // hidden)
     assert n * plan.block_cols * 2 <= lmp.LOW_MEMORY_BUDGET or plan.block_cols <= max(min_cols, 128) + 127
+
+
+def check_blocks(plan, vocab, borrow=True):
+    """Blocks cover the vocabulary once, in order; those that borrow grad_weight's storage come first, are
+    wider than the buffer's, and keep their aligned scratch inside that storage after every row written so
+    far; the buffer's are of one width, at most ``block_cols``, but the last, narrower one."""
+    blocks = list(plan.blocks(vocab, borrow))
+    assert blocks[0].start == 0 and blocks[-1].end == vocab
+    assert all(a.end == b.start and a.start < a.end for a, b in zip(blocks, blocks[1:]))
+    borrowed = [b for b in blocks if b.scratch is not None]
+    assert blocks[: len(borrowed)] == borrowed and (borrow or not borrowed)
+    total = vocab * plan.grad_row_bytes
+    for start, end, scratch in borrowed:
+        assert end - start > plan.block_cols and (end - start) % lmp.BLOCK_ALIGN == 0
+        assert scratch % lmp.SCRATCH_ALIGN == 0
+        assert end * plan.grad_row_bytes <= scratch and scratch + (end - start) * plan.scratch_col_bytes <= total
+    widths = [b.end - b.start for b in blocks[len(borrowed):]]
+    assert widths and widths[0] <= plan.block_cols and set(widths[:-1]) <= {widths[0]} and widths[-1] <= widths[0]
+    if borrow:
+        check_blocks(plan, vocab, borrow=False)
+    return blocks
+
+
+def test_first_blocks_borrow_the_weight_gradient():
+    """At 8192 x 4096 x 128256 bf16 the first block takes a third of the vocabulary (its dlogits, twice its
+    rows of grad_weight, fill the other two thirds): 9 blocks where the buffer alone takes 32."""
+    plan = lmp.plan_low_memory(8192, **HEAD, compute_dtype=torch.bfloat16, grad_dtype=torch.bfloat16,
+                               weight_grad=True)
+    blocks = check_blocks(plan, 128256)
+    assert abs((blocks[0].end - blocks[0].start) - 128256 / 3) <= lmp.BLOCK_ALIGN + lmp.SCRATCH_ALIGN
+    assert len(blocks) == 9 and len(list(plan.blocks(128256, borrow=False))) == 32
+    frozen = lmp.plan_low_memory(8192, **HEAD, compute_dtype=torch.bfloat16, grad_dtype=torch.bfloat16,
+                                 weight_grad=False)
+    assert all(b.scratch is None for b in frozen.blocks(128256))
 
 
 def test_plan_under_autocast_counts_the_casts():
@@ -358,6 +437,21 @@ def test_plan_under_autocast_counts_the_casts():
     assert plain.block_cols == 4096 and cast.block_cols == lmp.MIN_BLOCK_ELEMENTS // 4096
     w_bytes = 128256 * 4096
     assert cast.rows * 128256 * 2 + w_bytes * 2 <= lmp.LOW_MEMORY_BUDGET + w_bytes * 4
+    # borrowed blocks hold their dlogits and their weight rows cast to bf16 in the float32 gradient
+    assert cast.scratch_col_bytes == (8192 + 4096) * 2 and cast.grad_row_bytes == 4096 * 4
+    assert check_blocks(cast, 128256)[0].scratch is not None
+
+
+@given(n=st.integers(1, 200_000), vocab=st.integers(1, 300_000), hidden=st.integers(1, 16384),
+       dtypes=st.sampled_from([(torch.bfloat16, torch.bfloat16, False), (torch.bfloat16, torch.float32, True),
+                               (torch.float32, torch.float32, False), (torch.float16, torch.float16, False)]),
+       budget=st.sampled_from([0, 2**20, lmp.LOW_MEMORY_BUDGET]))
+def test_plan_blocks_fuzz(n, vocab, hidden, dtypes, budget):
+    compute, grad, cast = dtypes
+    plan = lmp.plan_low_memory(n, vocab, hidden, compute, grad, weight_grad=True, weight_cast=cast, input_cast=cast,
+                               memory_budget=budget)
+    assert plan.scratch_col_bytes == (n + (hidden if cast else 0)) * compute.itemsize
+    check_blocks(plan, vocab)
 
 
 def test_plan_honours_chunk_size():

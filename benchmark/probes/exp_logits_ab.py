@@ -6,13 +6,17 @@ floor (three cuBLAS GEMMs) timed the same way. Results: `results/2026-11-24-h200
 against 1.024 (H200) and 1.015 against 1.029 (H100), 8192 x 2048 x 32000 1.059 / 1.072 and 1.064 / 1.084.
 ``--low-memory`` (the mode's forward chunks, 4bf56f1): 8192 rows 1.364 / 1.402 (H200,
 `results/2026-11-24-h200-827518b/exp_logits_ab_low_memory.txt`) and 1.349 / 1.379 (H100,
-`exp_logits_ab_low_memory_4bf56f1.txt`). ``--frozen-weight`` measured the reverted chunk path (457c722). GPU only:
+`exp_logits_ab_low_memory_4bf56f1.txt`). ``--frozen-weight`` measured the reverted chunk path (457c722). ``--low-memory --borrow`` compares the
+mode's backward blocks that borrow grad_weight's storage (``LowMemoryPlan.blocks``) with buffer-only blocks
+instead of the exp-logits path; ``--autocast`` runs flce on float32 leaves under bf16 autocast. GPU only:
 
-    PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7] [--low-memory] [--frozen-weight]
+    PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7]
+        [--low-memory [--borrow]] [--frozen-weight] [--autocast]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from unittest.mock import patch
@@ -20,6 +24,7 @@ from unittest.mock import patch
 import torch
 
 import flce
+import flce.low_memory as low_memory
 from flce import exp_logits
 
 
@@ -30,6 +35,10 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--low-memory", action="store_true", help="flce's low_memory=True mode (its forward chunks)")
     p.add_argument("--frozen-weight", action="store_true", help="grad_input alone (a frozen LM head)")
+    p.add_argument("--borrow", action="store_true",
+                   help="with --low-memory: backward blocks borrowing grad_weight's storage on / off")
+    p.add_argument("--autocast", action="store_true",
+                   help="float32 input and weight, flce under bf16 autocast (fp32 master weights; the floor stays bf16)")
     a = p.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     for spec in a.shapes.split(","):
@@ -44,10 +53,15 @@ def main():
             torch.mm(logits, w)
             torch.mm(logits.t(), x)
 
+        leaf_dtype = torch.float32 if a.autocast else torch.bfloat16
+        x_leaf, w_leaf = x.to(leaf_dtype), w.to(leaf_dtype)
+
         def flce_step():
-            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_(not a.frozen_weight)
+            xl, wl = x_leaf.detach().requires_grad_(), w_leaf.detach().requires_grad_(not a.frozen_weight)
             leaves = (xl,) if a.frozen_weight else (xl, wl)
-            torch.autograd.grad(flce.linear_cross_entropy(xl, wl, t, low_memory=a.low_memory), leaves)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.autocast):
+                loss = flce.linear_cross_entropy(xl, wl, t, low_memory=a.low_memory)
+            torch.autograd.grad(loss, leaves)
 
         def variant(min_rows):
             def run():
@@ -55,7 +69,17 @@ def main():
                     flce_step()
             return run
 
-        fns = {"floor": floor, "flce": variant(exp_logits.MIN_ROWS), "flce, exp-logits off": variant(1 << 62)}
+        def buffer_blocks_only():
+            plan = low_memory.plan_low_memory
+            with patch.object(low_memory, "plan_low_memory",
+                              lambda *args, **kw: dataclasses.replace(plan(*args, **kw), grad_row_bytes=0)):
+                flce_step()
+
+        fns = {"floor": floor, "flce": variant(exp_logits.MIN_ROWS)}
+        if a.borrow:
+            fns["flce, buffer blocks only"] = buffer_blocks_only
+        else:
+            fns["flce, exp-logits off"] = variant(1 << 62)
         times = {k: [] for k in fns}
         for r in range(a.rounds + 1):
             order = list(fns) if r % 2 else list(fns)[::-1]

@@ -10,8 +10,9 @@ recomputes the logits one block of vocabulary columns at a time for all rows, ov
 their gradient from the saved lse (``kernels/ce_block_*``), and writes grad_weight[block] = dz^T @ x:
 one GEMM over every row, float32 inside, rounded once into the weight's dtype. Four GEMMs in all, two
 exact gradients, and at most a small buffer plus the per-row lse above the gradients
-(``low_memory_plan.py``). With reduction="none", grad_input's rows scale linearly with the per-row
-grad_output, and the block kernel takes it per row: nothing is recomputed twice.
+(``low_memory_plan.py``): the first, widest blocks keep their dz in grad_weight's rows not yet
+written. With reduction="none", grad_input's rows scale linearly with the per-row grad_output, and the
+block kernel takes it per row: nothing is recomputed twice.
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ def block_logits_grad(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Ten
 def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, terms: RowTerms,
                        need_w: bool, need_b: bool, spec: LoopSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """grad_weight (V, H) in the weight's dtype and grad_bias (V,) in the math dtype, block by block of vocabulary
-    columns (``spec.plan.block_cols``), each from all n rows at once. x: (n, H), weight: (V, H)."""
+    columns (``spec.plan.blocks``), each from all n rows at once. x: (n, H), weight: (V, H). A block's
+    dlogits (and its weight rows cast under autocast) go in grad_weight's rows that later blocks write,
+    where the plan found room, else in the budget's buffer."""
     opts, plan, compute_dtype, backend = spec.opts, spec.plan, spec.compute_dtype, spec.backend
     n, hidden = x.shape
     vocab = weight.shape[0]
@@ -84,16 +87,33 @@ def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if n == 0:
         return tuple(None if g is None else g.zero_() for g in (grad_w, grad_b))
     x_c = _as_dtype(x, compute_dtype)
-    buffer = torch.empty(n * min(plan.block_cols, vocab), dtype=compute_dtype, device=x.device)
-    for start, end in plan.blocks(vocab):
-        dz = buffer[: n * (end - start)].view(n, end - start)  # contiguous, whatever the block's width
-        block_logits_grad(x_c, _as_dtype(weight[start:end], compute_dtype),
-                          None if bias is None else bias[start:end], dz, start, vocab, terms, opts, backend)
+    storage = None if grad_w is None else grad_w.view(-1).view(torch.uint8)
+    buffer = None
+    for start, end, scratch in plan.blocks(vocab, borrow=grad_w is not None):
+        cols = end - start
+        if scratch is None:
+            if buffer is None:  # allocated only for the blocks the borrowed room could not take
+                buffer = torch.empty(n * cols, dtype=compute_dtype, device=x.device)
+            dz = buffer[: n * cols].view(n, cols)  # contiguous, whatever the block's width
+            w_block = _as_dtype(weight[start:end], compute_dtype)
+        else:
+            dz = _borrow(storage, scratch, (n, cols), compute_dtype)
+            w_block = weight[start:end]
+            if w_block.dtype != compute_dtype:
+                w_block = _borrow(storage, scratch + dz.nbytes, (cols, hidden), compute_dtype).copy_(w_block)
+        block_logits_grad(x_c, w_block, None if bias is None else bias[start:end], dz, start, vocab, terms, opts,
+                          backend)
         if grad_w is not None:
             mm_into(grad_w[start:end], dz.t(), x_c, accumulate=False)
         if grad_b is not None:
             torch.sum(dz, 0, dtype=grad_b.dtype, out=grad_b[start:end])
     return grad_w, grad_b
+
+
+def _borrow(storage: torch.Tensor, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous ``shape`` tensor of ``dtype`` over the bytes of ``storage`` (uint8) from ``offset``."""
+    size = shape[0] * shape[1] * dtype.itemsize
+    return storage[offset: offset + size].view(dtype).view(shape)
 
 
 _CONSUMED = (

@@ -2,13 +2,14 @@
 
 Forward (loss, lse, grad_input) runs the chunk loop over rows; backward recomputes the logits one
 block of vocabulary columns at a time, for all rows at once, so that each block of grad_weight is one
-GEMM over every row (float32 inside, rounded once). Only a small budget may add to the peak.
+GEMM over every row (float32 inside, rounded once). Only a small budget may add to the peak; the first
+blocks borrow their scratch from the rows of grad_weight that later blocks write.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -26,19 +27,61 @@ STATS_BYTES_PER_COLUMN = 2 * 8 / 256
 # Fewest grad_weight elements per backward block: the block's GEMM (cols x H output, K = all rows) then
 # has 128 output tiles of 128 x 256, about one wave on a 132-SM GPU (1024 columns at H = 4096).
 MIN_BLOCK_ELEMENTS = 2**22
+# A block's scratch inside grad_weight starts on this many bytes (TMA needs 16).
+SCRATCH_ALIGN = 256
+
+
+class Block(NamedTuple):
+    """Backward's vocabulary columns [start, end). ``scratch``: the byte offset inside grad_weight's storage
+    where the block's dlogits (n, end - start) begin, followed by its weight rows cast to the compute dtype
+    under autocast; None: they go in the budget's buffer."""
+
+    start: int
+    end: int
+    scratch: int | None
 
 
 @dataclass(frozen=True)
 class LowMemoryPlan(ChunkPlan):
-    """A ``ChunkPlan`` for forward's row chunks, plus ``block_cols``: vocabulary columns per backward block
-    (the last may be narrower)."""
+    """A ``ChunkPlan`` for forward's row chunks, plus backward's blocks: ``block_cols`` vocabulary columns per
+    block of the budget's buffer; ``grad_row_bytes`` (one row of grad_weight; 0 when there is none) and
+    ``scratch_col_bytes`` (a column's dlogits and cast weight row) size the blocks that borrow grad_weight."""
 
     block_cols: int = field(kw_only=True)
+    grad_row_bytes: int = field(default=0, kw_only=True)
+    scratch_col_bytes: int = field(default=0, kw_only=True)
 
-    def blocks(self, vocab: int) -> Iterator[tuple[int, int]]:
-        """(start, end) columns of each backward block."""
-        for start in range(0, vocab, self.block_cols):
-            yield start, min(start + self.block_cols, vocab)
+    def blocks(self, vocab: int, borrow: bool = True) -> Iterator[Block]:
+        """Backward's blocks, in order; ``borrow``: grad_weight is being written.
+
+        Blocks write grad_weight's rows front to back, so the rows after a block are free until later
+        blocks write them: the block keeps its scratch at the end of them and can be as wide as that room
+        allows (at 8192 x 4096 x 128256 bf16 the first takes a third of the vocabulary). Each such block is
+        one GEMM where the buffer would take several narrow ones (fewer launches, fewer partly filled
+        waves). Once the room holds no more than ``block_cols`` columns, the rest take near-equal blocks of
+        the buffer."""
+        start = 0
+        while borrow and self.grad_row_bytes:
+            cols, scratch = self._borrowed(start, vocab)
+            if cols <= self.block_cols:
+                break
+            yield Block(start, start + cols, scratch)
+            start += cols
+        rest = vocab - start
+        width = min(round_up(cdiv(rest, cdiv(rest, self.block_cols)), BLOCK_ALIGN), self.block_cols) if rest else 1
+        for s in range(start, vocab, width):
+            yield Block(s, min(s + width, vocab), None)
+
+    def _borrowed(self, start: int, vocab: int) -> tuple[int, int]:
+        """The widest block from ``start`` (whole BLOCK_ALIGN columns) whose scratch fits after its own rows of
+        grad_weight, at the end of that storage, and the scratch's byte offset."""
+        total, row, col = vocab * self.grad_row_bytes, self.grad_row_bytes, self.scratch_col_bytes
+        cols = max(total - start * row - SCRATCH_ALIGN, 0) // (row + col) // BLOCK_ALIGN * BLOCK_ALIGN
+        scratch = (total - cols * col) // SCRATCH_ALIGN * SCRATCH_ALIGN
+        while cols and (start + cols) * row > scratch:  # the alignment took more than SCRATCH_ALIGN
+            cols -= BLOCK_ALIGN
+            scratch = (total - cols * col) // SCRATCH_ALIGN * SCRATCH_ALIGN
+        return cols, scratch
 
 
 def plan_low_memory(
@@ -71,7 +114,8 @@ def plan_low_memory(
     What forward's budget leaves beside the buffer holds the float32 grad_input product of a chunk on the
     exp-logits path (``input_product_cols`` at a time, ``planner.product_cols``).
     Backward's (n_rows, block_cols) dlogits buffer takes the budget, but at least ``MIN_BLOCK_ELEMENTS``
-    of grad_weight per block (its GEMM fills the GPU), and whole tiles of ``BLOCK_ALIGN`` columns.
+    of grad_weight per block (its GEMM fills the GPU), and whole tiles of ``BLOCK_ALIGN`` columns; the
+    blocks before it borrow grad_weight's storage (``LowMemoryPlan.blocks``).
     """
     size = compute_dtype.itemsize
     memory_budget = LOW_MEMORY_BUDGET if memory_budget is None else memory_budget
@@ -100,4 +144,5 @@ def plan_low_memory(
     else:  # near-equal blocks: no narrow last one
         cols = round_up(cdiv(vocab, cdiv(vocab, cols)), BLOCK_ALIGN)
     return LowMemoryPlan(n_rows=n_rows, rows=rows, accum_dtype=grad_dtype, input_product_cols=input_product_cols,
-                         block_cols=cols)
+                         block_cols=cols, grad_row_bytes=hidden * grad_dtype.itemsize if weight_grad else 0,
+                         scratch_col_bytes=col_bytes)
