@@ -56,10 +56,9 @@ class LowMemoryPlan(ChunkPlan):
 
         Blocks write grad_weight's rows front to back, so the rows after a block are free until later
         blocks write them: the block keeps its scratch at the end of them and can be as wide as that room
-        allows (at 8192 x 4096 x 128256 bf16 the first takes a third of the vocabulary). Each such block is
-        one GEMM where the buffer would take several narrow ones (fewer launches, fewer partly filled
-        waves). Once the room holds no more than ``block_cols`` columns, the rest take near-equal blocks of
-        the buffer."""
+        allows (at 8192 x 4096 x 128256 bf16 the first takes close to a third of the vocabulary). Each such
+        block is one GEMM where the buffer would take several narrow ones (fewer launches). Once the room
+        holds no more than ``block_cols`` columns, the rest take near-equal blocks of the buffer."""
         start = 0
         while borrow and self.grad_row_bytes:
             cols, scratch = self._borrowed(start, vocab)
@@ -78,7 +77,8 @@ class LowMemoryPlan(ChunkPlan):
         rows, a grad_weight GEMM's partial last wave is long, and the buffer's width fills its waves (at
         32768 rows, 1024 columns are 128 tiles of 256 x 128: 724 TFLOP/s on an H100, where a 14208-column
         block ran at 632)."""
-        total, row, col, unit = vocab * self.grad_row_bytes, self.grad_row_bytes, self.scratch_col_bytes, self.block_cols
+        row, col, unit = self.grad_row_bytes, self.scratch_col_bytes, self.block_cols
+        total = vocab * row
         cols = max(total - start * row - SCRATCH_ALIGN, 0) // (row + col) // unit * unit
         scratch = (total - cols * col) // SCRATCH_ALIGN * SCRATCH_ALIGN
         while cols and (start + cols) * row > scratch:  # the alignment took more than SCRATCH_ALIGN
