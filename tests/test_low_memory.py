@@ -231,7 +231,7 @@ def block_case(n, cols, vocab, col_start, dtype, *, per_row, opts, weighted, dev
 
 def reference_block(logits, col_start, vocab, terms, opts):
     """dz of the block in float64 from the formula of DESIGN.md section 1 (not from the twin's code)."""
-    target, lse, cw, weight_sum, scale = terms
+    target, lse, cw, weight_sum, scale = terms[:5]
     z = logits.double() / opts.temperature
     if opts.softcap is not None:
         z = opts.softcap * torch.tanh(z / opts.softcap)
@@ -333,6 +333,30 @@ def test_fused_block_gemm_matches_float64(fused, opts, with_bias, per_row, dtype
     want = reference_block(logits, col_start, vocab, terms, opts)
     assert rel_err(out, want) <= TOL[dtype] / 4
     assert torch.all(out[1] == 0)
+
+
+@needs_triton
+@pytest.mark.parametrize("opts", BLOCK_OPTIONS[:2])
+def test_fused_block_gemm_with_the_lse_of_unrounded_logits(fused, opts):
+    """After the exp-logits forward the lse is that of the unrounded logits (``RowTerms.exact_lse``): the
+    fused GEMM then takes its float32 tile as it is, and matches dz of the unrounded logits closer than the
+    rounding variant does (which matches dz of the rounded logits, the test above)."""
+    from flce.kernels import block_gemm_triton as bg
+
+    dtype = torch.bfloat16 if ON_HOPPER else torch.float16
+    n, hidden, cols, vocab, col_start = 70, 48, 200, 1000, 256
+    x = torch.randn(n, hidden, device=DEVICE).to(dtype)
+    w = (torch.randn(cols, hidden, device=DEVICE) / hidden**0.5 * 3).to(dtype)
+    _, terms = block_case(n, cols, vocab, col_start, dtype, per_row=True, opts=opts, weighted=False)
+    want = reference_block(x.double() @ w.double().t(), col_start, vocab, terms, opts)  # unrounded logits
+    errors = {}
+    for exact in (True, False):
+        out = torch.empty(n, cols, dtype=dtype, device=DEVICE)
+        bg.block_logits_grad_triton(x, w, None, out, col_start, vocab, terms._replace(exact_lse=exact), opts)
+        errors[exact] = rel_err(out, want)
+        assert torch.all(out[1] == 0)
+    assert errors[True] <= TOL[dtype] / 4
+    assert errors[True] < errors[False] / 2, errors
 
 
 @needs_triton

@@ -8,16 +8,21 @@ against 1.024 (H200) and 1.015 against 1.029 (H100), 8192 x 2048 x 32000 1.059 /
 `results/2026-11-24-h200-827518b/exp_logits_ab_low_memory.txt`) and 1.349 / 1.379 (H100,
 `exp_logits_ab_low_memory_4bf56f1.txt`). ``--frozen-weight`` measured the reverted chunk path (457c722). ``--low-memory --borrow`` compares the
 mode's backward blocks that borrow grad_weight's storage (``LowMemoryPlan.blocks``) with buffer-only blocks
-instead of the exp-logits path; ``--autocast`` runs flce on float32 leaves under bf16 autocast. GPU only:
+instead of the exp-logits path; ``--autocast`` runs flce on float32 leaves under bf16 autocast.
+``--base DIR`` compares this tree's Hopper GEMM kernels (the logits GEMM and the low-memory mode's fused
+block GEMM) with another tree's, in the same steps (DIR holds that tree's ``src/flce`` copied as
+``flce_base``), and times the kernels alone. GPU only:
 
     PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7]
-        [--low-memory [--borrow]] [--frozen-weight] [--autocast]
+        [--low-memory [--borrow]] [--base DIR] [--frozen-weight] [--autocast]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import statistics
+import sys
 import time
 from unittest.mock import patch
 
@@ -26,6 +31,7 @@ import torch
 import flce
 import flce.low_memory as low_memory
 from flce import exp_logits
+from flce.kernels import block_gemm_triton, logits_triton
 
 
 def main():
@@ -39,8 +45,11 @@ def main():
                    help="with --low-memory: backward blocks borrowing grad_weight's storage on / off")
     p.add_argument("--autocast", action="store_true",
                    help="float32 input and weight, flce under bf16 autocast (fp32 master weights; the floor stays bf16)")
+    p.add_argument("--base", default=None,
+                   help="a folder holding another tree's src/flce as flce_base: its Hopper GEMM kernels against this tree's")
     a = p.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    base = _base_kernels(a.base) if a.base else None
     for spec in a.shapes.split(","):
         bt, hidden, vocab = map(int, spec.split("x"))
         x = torch.randn(bt, hidden, device="cuda", dtype=torch.bfloat16)
@@ -75,9 +84,17 @@ def main():
                               lambda *args, **kw: dataclasses.replace(plan(*args, **kw), grad_row_bytes=0)):
                 flce_step()
 
+        def base_kernels():
+            with (patch.object(block_gemm_triton, "block_logits_grad_triton", base["block"]),
+                  patch.object(logits_triton, "logits_with_tile_stats", base["logits"])):
+                flce_step()
+
         fns = {"floor": floor, "flce": variant(exp_logits.MIN_ROWS)}
         if a.borrow:
             fns["flce, buffer blocks only"] = buffer_blocks_only
+        elif base is not None:
+            fns["flce, base kernels"] = base_kernels
+            _time_kernels(x, w, t, base)
         else:
             fns["flce, exp-logits off"] = variant(1 << 62)
         times = {k: [] for k in fns}
@@ -93,11 +110,64 @@ def main():
                 torch.cuda.synchronize()
                 if r:
                     times[name].append((time.perf_counter() - start) * 1e3 / a.steps)
-        base = statistics.median(times["floor"])
+        floor_ms = statistics.median(times["floor"])
         for name, v in times.items():
             ms = statistics.median(v)
-            print(f"{spec} {name:22s} {ms:8.3f} ms  x_floor {ms / base:.3f}  (rounds {min(v):.3f}-{max(v):.3f})",
+            print(f"{spec} {name:22s} {ms:8.3f} ms  x_floor {ms / floor_ms:.3f}  (rounds {min(v):.3f}-{max(v):.3f})",
                   flush=True)
+
+
+def _base_kernels(folder: str) -> dict:
+    """The Hopper GEMM launchers of the tree copied as ``flce_base`` under ``folder`` (the block GEMM taking
+    this tree's RowTerms: their first five fields)."""
+    sys.path.insert(0, folder)
+    block = importlib.import_module("flce_base.kernels.block_gemm_triton")
+    logits = importlib.import_module("flce_base.kernels.logits_triton")
+    row_terms = importlib.import_module("flce_base.kernels.ce_block_torch").RowTerms
+
+    def block_launch(x, w_block, b_block, out, col_start, vocab, terms, opts):
+        block.block_logits_grad_triton(x, w_block, b_block, out, col_start, vocab, row_terms(*terms[:5]), opts)
+
+    return {"block": block_launch, "logits": logits.logits_with_tile_stats}
+
+
+def _time_kernels(x, w, t, base: dict):
+    """Each tree's kernels alone, alternating, median of 5 rounds: the logits GEMM storing exp(z) with its
+    statistics over all of V, and the fused block GEMM (this tree's with the lse of unrounded logits, as
+    after the exp-logits forward) at backward's widest block and at a 4096-column buffer block."""
+    from triton.testing import do_bench
+
+    from flce.kernels.ce_block_torch import RowTerms
+    from flce.options import LossOptions
+
+    n, hidden, vocab = *x.shape, w.shape[0]
+    opts = LossOptions()
+    terms = RowTerms(t, torch.full((n,), 11.0, device=x.device), None, None, torch.tensor(1.0 / n, device=x.device),
+                     exact_lse=True)
+    stats = torch.empty(2, n, logits_triton.num_tiles(vocab), dtype=torch.float32, device=x.device)
+    cases = {}
+    if n * vocab * 2 <= 8 << 30:
+        e = torch.empty(n, vocab, dtype=x.dtype, device=x.device)
+        cases[f"logits GEMM, store_exp, {n}x{hidden}x{vocab}"] = (
+            2 * n * hidden * vocab, {tree: (lambda f=f: f(x, w, None, e, stats[0], stats[1], opts, store_exp=True))
+                                     for tree, f in (("this tree", logits_triton.logits_with_tile_stats),
+                                                     ("base", base["logits"]))})
+    for cols in (40960, 4096):
+        block, out = w[:cols], torch.empty(n, cols, dtype=x.dtype, device=x.device)
+        cases[f"block GEMM, {n}x{hidden}x{cols}"] = (
+            2 * n * hidden * cols, {tree: (lambda f=f, block=block, out=out: f(x, block, None, out, 0, vocab, terms, opts))
+                                    for tree, f in (("this tree", block_gemm_triton.block_logits_grad_triton),
+                                                    ("base", base["block"]))})
+    for case, (flops, kernels) in cases.items():
+        ms = {k: [] for k in kernels}
+        for _ in range(5):
+            for name, fn in kernels.items():
+                ms[name].append(do_bench(fn, warmup=25, rep=200))
+        for name, v in ms.items():
+            m = statistics.median(v)
+            print(f"{case} alone, {name:9s} {m:7.3f} ms {flops / m / 1e9:6.0f} TFLOP/s (rounds {min(v):.3f}-{max(v):.3f})",
+                  flush=True)
+        del kernels
 
 
 if __name__ == "__main__":

@@ -168,7 +168,9 @@ class LowMemoryFunction(torch.autograd.Function):
             block_scale = grad_scale * g
         if grad_x is not None:
             _scale_input_grad(grad_x, g, dtypes[0], spec)
-        grad_w, grad_b = _weight_grads(x, weight, bias, target, class_weight, weight_sum, lse, block_scale, needs, spec)
+        # After the exp-logits forward (a window check exists) the lse is that of the unrounded logits.
+        grad_w, grad_b = _weight_grads(x, weight, bias, target, class_weight, weight_sum, lse, block_scale, needs, spec,
+                                       exact_lse=ctx.window is not None)
         if ctx.window is not None and ctx.window.missed():
             # Rows left the exp-logits window: forward again on the standard path, whose lse matches the
             # rounded logits that the blocks recompute, and the blocks again with it (rare: the device
@@ -186,12 +188,12 @@ class LowMemoryFunction(torch.autograd.Function):
         return None, None, grad_x, grad_w, grad_b, None, None, None, None, None
 
 
-def _weight_grads(x, weight, bias, target, class_weight, weight_sum, lse, block_scale, needs,
-                  spec: LoopSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _weight_grads(x, weight, bias, target, class_weight, weight_sum, lse, block_scale, needs, spec: LoopSpec,
+                  exact_lse: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Backward's vocabulary-block loop, where grad_weight or grad_bias is wanted."""
     if not (needs[1] or needs[2]):
         return None, None
-    terms = RowTerms(target, lse, class_weight, weight_sum, block_scale)
+    terms = RowTerms(target, lse, class_weight, weight_sum, block_scale, exact_lse)
     return weight_grad_blocks(x, weight, bias, terms, needs[1], needs[2], spec)
 
 

@@ -2,9 +2,11 @@
 
 dz = d loss / d (x @ W_block^T + b_block) for a block of vocabulary columns and all rows, as one
 persistent Triton GEMM over TMA tensor descriptors (the tiles, order and pipeline of
-``logits_triton.py``). Each output tile is rounded to the logits' dtype as the forward stored them, then
-turned into its gradient from the rows' saved lse (``ce_block_triton._block_grad``) before the one
-store: the block's logits are never written or read back.
+``logits_triton.py``). Each output tile is turned into its gradient from the rows' saved lse
+(``ce_block_triton._block_grad``) before the one store, as the lse saw the logits: rounded to the logits'
+dtype as the standard forward stored them, or unrounded after the exp-logits forward (``RowTerms.exact_lse``).
+The block's logits are never written or read back. The rows' terms are loaded before the tile's K loop and
+the epilogue is a few operations per element (benchmark/NOTES.md, The precise low-memory mode).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import triton.language as tl
 from ..options import LossOptions
 from . import logits_triton
 from .ce_block_torch import RowTerms
-from .ce_block_triton import _block_grad, row_arguments
+from .ce_block_triton import _block_grad, _block_row_terms, row_arguments
 from .ce_triton import _sm_count
 from .logits_triton import TileConfig, _tile_coords, tile_logits
 
@@ -28,19 +30,22 @@ def _block_grad_gemm_kernel(x_desc, w_desc, out_desc, bias_ptr, target_ptr, lse_
                             weight_sum_ptr, M, N, K, col_start, V, ignore_index, smoothing, z_loss, softcap, inv_temp,
                             HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                             HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
-                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                            PROGRAMS: tl.constexpr):
+                            ROUND_LOGITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                            GROUP: tl.constexpr, PROGRAMS: tl.constexpr):
     grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
         m0, n0 = pid_m * BM, pid_n * BN
-        acc, cols = tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS, BM, BN, BK)
-        # The logits as forward stored them (rounded), so that their softmax matches the saved lse.
-        raw = acc.to(out_desc.dtype).to(tl.float32)
         rows = (m0 + tl.arange(0, BM)).to(tl.int64)
-        g = _block_grad(raw, rows, rows < M, col_start + cols, cols < N, target_ptr, lse_ptr, scale_ptr,
-                        class_weight_ptr, weight_sum_ptr, V, ignore_index, smoothing, z_loss, softcap, inv_temp,
-                        HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP, SCALE_PER_ROW)
+        # The rows' terms before the K loop: their loads land while the tile's MMAs run.
+        y, lse, target_coef, extra, scale, valid = _block_row_terms(
+            rows, rows < M, target_ptr, lse_ptr, scale_ptr, class_weight_ptr, weight_sum_ptr, V, ignore_index,
+            smoothing, z_loss, inv_temp, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, SCALE_PER_ROW)
+        acc, cols = tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS, BM, BN, BK)
+        if ROUND_LOGITS:  # the logits as forward stored them, so that their softmax matches the saved lse
+            acc = acc.to(out_desc.dtype).to(tl.float32)
+        g = _block_grad(acc, col_start + cols, cols < N, y, lse, target_coef, extra, scale, valid, class_weight_ptr,
+                        V, smoothing, softcap, inv_temp, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP)
         out_desc.store([m0, n0], g.to(out_desc.dtype))
 
 
@@ -69,6 +74,6 @@ def block_logits_grad_triton(x: torch.Tensor, w_block: torch.Tensor, b_block: to
         TensorDescriptor.from_tensor(out, [bm, bn]),
         terms.lse if b_block is None else b_block,
         *pointers, n, cols, hidden, col_start, vocab, *scalars, HAS_BIAS=b_block is not None, **flags,
-        BM=bm, BN=bn, BK=bk, GROUP=config.group, PROGRAMS=programs,
+        ROUND_LOGITS=not terms.exact_lse, BM=bm, BN=bn, BK=bk, GROUP=config.group, PROGRAMS=programs,
         num_stages=config.stages, num_warps=config.warps,
     )

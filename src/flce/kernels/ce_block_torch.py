@@ -19,6 +19,9 @@ class RowTerms(NamedTuple):
     target: (n,) int64. lse: (n,) float32, each row's log-sum-exp over all V (after temperature and
     softcap), as the CE kernel wrote it. class_weight: (V,) or None; weight_sum: 0-d float32 sum of
     class_weight or None. grad_scale: 0-d or (n,) float32, the reduction's scale times grad_output.
+    exact_lse: the lse is that of the unrounded logits (the exp-logits forward), so a kernel that
+    recomputes the logits in float32 uses them unrounded; else it rounds them to the dtype the logits
+    were stored in, as the lse saw them.
     """
 
     target: torch.Tensor
@@ -26,6 +29,7 @@ class RowTerms(NamedTuple):
     class_weight: torch.Tensor | None
     weight_sum: torch.Tensor | None
     grad_scale: torch.Tensor
+    exact_lse: bool = False
 
 
 def ce_block_torch(logits: torch.Tensor, col_start: int, vocab: int, terms: RowTerms, opts: LossOptions) -> None:
@@ -39,7 +43,7 @@ def ce_block_torch(logits: torch.Tensor, col_start: int, vocab: int, terms: RowT
     n, cols = logits.shape
     if n == 0 or cols == 0:
         return
-    target, lse, class_weight, weight_sum, grad_scale = terms
+    target, lse, class_weight, weight_sum, grad_scale = terms[:5]
     math_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     eps, cap = opts.label_smoothing, opts.softcap
     z, slope = capped_logits(logits, 1.0 / opts.temperature, cap, slope=True)

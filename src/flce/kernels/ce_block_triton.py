@@ -19,17 +19,17 @@ from .softcap_triton import capped_slope
 
 
 @triton.jit
-def _block_grad(raw, rows, row_mask, cols, col_mask, target_ptr, lse_ptr, scale_ptr, class_weight_ptr,
-                weight_sum_ptr, V, ignore_index, smoothing, z_loss, softcap, inv_temp, HAS_WEIGHT: tl.constexpr,
-                HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                SCALE_PER_ROW: tl.constexpr):
-    """dz of a (R, C) tile of raw logits at ``rows`` (R,) and vocabulary columns ``cols`` (C,), with the
-    CE kernel's per-row coefficients; exact zeros on ignored (and masked) rows, NaN on rows whose target
-    is outside [0, V)."""
+def _block_row_terms(rows, row_mask, target_ptr, lse_ptr, scale_ptr, class_weight_ptr, weight_sum_ptr, V, ignore_index,
+                     smoothing, z_loss, inv_temp, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                     HAS_Z_LOSS: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
+    """What ``_block_grad`` needs of the R ``rows``, as (R,) vectors, with the CE kernel's per-row
+    coefficients: the target (int32, clamped into [0, V)), lse, the target's and the extra coefficient, the
+    scale (times 1/T, NaN on a row whose target is outside [0, V)) and whether the row counts. The GEMM
+    loads these before its K loop, so their latency hides behind it."""
     y = tl.load(target_ptr + rows, mask=row_mask, other=ignore_index)
     valid = row_mask & (y != ignore_index)
     poison = tl.where(valid & ((y < 0) | (y >= V)), float("nan"), 0.0)
-    y = tl.minimum(tl.maximum(y, 0), V - 1)
+    y = tl.minimum(tl.maximum(y, 0), V - 1).to(tl.int32)  # int32: one compare per element, not two
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     zero = tl.zeros_like(lse)
     if HAS_WEIGHT:
@@ -47,11 +47,20 @@ def _block_grad(raw, rows, row_mask, cols, col_mask, target_ptr, lse_ptr, scale_
         scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     else:
         scale = zero + tl.load(scale_ptr).to(tl.float32)
-    scale = scale * inv_temp + poison
+    return y, lse, (1.0 - smoothing) * w_y, extra, scale * inv_temp + poison, valid
+
+
+@triton.jit
+def _block_grad(raw, cols, col_mask, y, lse, target_coef, extra, scale, valid, class_weight_ptr, V, smoothing, softcap,
+                inv_temp, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr):
+    """dz of a (R, C) tile of raw logits at vocabulary columns ``cols`` (C,), given its rows' terms
+    (``_block_row_terms``); exact zeros on ignored (and masked) rows, NaN on rows whose target is outside
+    [0, V)."""
     z, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
     return _grad_block(z, slope, cols, col_mask, class_weight_ptr, y[:, None], lse[:, None], extra[:, None],
-                       ((1.0 - smoothing) * w_y)[:, None], smoothing / V, scale[:, None], valid[:, None],
-                       HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+                       target_coef[:, None], smoothing / V, scale[:, None], valid[:, None], HAS_WEIGHT, HAS_SMOOTHING,
+                       HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP)
 
 
 @triton.jit
@@ -66,9 +75,11 @@ def _ce_block_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, scale_ptr, cla
     ptrs = logits_ptr + rows[:, None] * stride_row + local[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
     raw = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    g = _block_grad(raw, rows, row_mask, col_start + local, col_mask, target_ptr, lse_ptr, scale_ptr,
-                    class_weight_ptr, weight_sum_ptr, V, ignore_index, smoothing, z_loss, softcap, inv_temp,
-                    HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP, SCALE_PER_ROW)
+    y, lse, target_coef, extra, scale, valid = _block_row_terms(
+        rows, row_mask, target_ptr, lse_ptr, scale_ptr, class_weight_ptr, weight_sum_ptr, V, ignore_index, smoothing,
+        z_loss, inv_temp, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, SCALE_PER_ROW)
+    g = _block_grad(raw, col_start + local, col_mask, y, lse, target_coef, extra, scale, valid, class_weight_ptr, V,
+                    smoothing, softcap, inv_temp, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP)
     tl.store(ptrs, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
@@ -80,7 +91,7 @@ def row_arguments(terms: RowTerms, opts: LossOptions) -> tuple[tuple, tuple, dic
     """The pointer and scalar arguments every low-memory kernel takes (after its own leading ones, in this
     order: target, lse, scale, class weights, weight sum, then after V the loss's scalars) and its
     constexpr switches. Absent tensors point at lse (never read)."""
-    target, lse, class_weight, weight_sum, grad_scale = terms
+    target, lse, class_weight, weight_sum, grad_scale = terms[:5]
     pointers = (target, lse, grad_scale, lse if class_weight is None else class_weight,
                 lse if weight_sum is None else weight_sum)
     scalars = (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..options import LossOptions
+from .fast_exp_triton import exp_ftz
 from .softcap_triton import capped, capped_slope
 
 
@@ -84,28 +85,33 @@ def _tile_stats_lse(max_ptr, sum_ptr, n_tiles, BLOCK_T: tl.constexpr):
 
 @triton.jit
 def _grad_block(z, slope, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef, smoothing_per_class, scale,
-                keep, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """dz_j = target_coef * (p_j - [j == y]) + extra_coef * p_j - smoothing_per_class * w_j, chained
-    through softcap (times ``slope``, dz / dr from ``capped_slope``) and temperature (``scale`` includes
-    1/T); exact zeros where not ``keep`` (never 0 * NaN). p_y - 1 is exact for a confident target
-    (p_y >= 1/2), so a small target gradient is not the difference of two rounded O(1) terms."""
-    p = tl.exp(z - lse)
-    g = target_coef * (p - tl.where(cols == y, 1.0, 0.0)) + extra_coef * p
+                keep, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_EXTRA: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr):
+    """dz_j = scale * (target_coef * (p_j - [j == y]) + extra_coef * p_j - smoothing_per_class * w_j), chained
+    through softcap (times ``slope``, dz / dr from ``capped_slope``); ``scale`` includes 1/T. The scale meets
+    the per-row coefficients, not the elements, and ``extra_coef`` is read only with ``HAS_EXTRA``:
+    few operations per element, as the low-memory GEMM's epilogue wants. Exact zeros where not ``keep``
+    (never 0 * NaN). p_y - 1 is formed before any product: exact for a confident target (p_y >= 1/2), so a
+    small target gradient is not the difference of two rounded O(1) terms."""
+    p = exp_ftz(z - lse)
+    g = (target_coef * scale) * tl.where(cols == y, p - 1.0, p)
+    if HAS_EXTRA:  # smoothing or z-loss
+        g += (extra_coef * scale) * p
     if HAS_SMOOTHING:
         if HAS_WEIGHT:
             w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            g -= smoothing_per_class * w
+            g -= (smoothing_per_class * scale) * w
         else:
-            g -= smoothing_per_class
+            g -= smoothing_per_class * scale
     if HAS_SOFTCAP:
         g = g * slope
-    return tl.where(keep, g * scale, 0.0)
+    return tl.where(keep, g, 0.0)
 
 
 @triton.jit
 def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class, scale,
                     keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+                    HAS_EXTRA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
     """Pass 2: the gradient (``_grad_block``) written over the row. Backwards over V: the blocks pass 1
     read last are likeliest still in L2."""
     last = (V - 1) // BLOCK_V * BLOCK_V
@@ -115,14 +121,15 @@ def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coe
         raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         z, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
         g = _grad_block(z, slope, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef, smoothing_per_class,
-                        scale, keep, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+                        scale, keep, HAS_WEIGHT, HAS_SMOOTHING, HAS_EXTRA, HAS_SOFTCAP)
         tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _write_row_grad_once(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class,
                          scale, keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                         HAS_SOFTCAP: tl.constexpr, COMPUTE_ACC: tl.constexpr, BLOCK_V: tl.constexpr):
+                         HAS_EXTRA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ACC: tl.constexpr,
+                         BLOCK_V: tl.constexpr):
     """The only pass when lse is known beforehand (tile statistics): the gradient written over the row,
     and the sum of z and argmax that the loss and accuracy need, from the same read."""
     sum_z = 0.0
@@ -137,7 +144,7 @@ def _write_row_grad_once(row_ptr, class_weight_ptr, V, y, lse, extra_coef, targe
         sum_z, best, best_idx = _extras(z_in, z, mask, cols, start, class_weight_ptr, sum_z, best, best_idx, HAS_WEIGHT,
                                         HAS_SMOOTHING, COMPUTE_ACC)
         g = _grad_block(z_in, slope, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef,
-                        smoothing_per_class, scale, keep, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP)
+                        smoothing_per_class, scale, keep, HAS_WEIGHT, HAS_SMOOTHING, HAS_EXTRA, HAS_SOFTCAP)
         tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
     return sum_z, best_idx
 
@@ -251,11 +258,12 @@ def _ce_kernel(
             if TILE_STATS:
                 sum_z, best_idx = _write_row_grad_once(
                     row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y, smoothing / V, scale,
-                    valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V)
+                    valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP,
+                    COMPUTE_ACC, BLOCK_V)
             else:
                 _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y,
                                 smoothing / V, scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
-                                HAS_SOFTCAP, BLOCK_V)
+                                HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, BLOCK_V)
 
         loss = (1.0 - smoothing) * w_y * (lse - z_y)
         if HAS_SMOOTHING:

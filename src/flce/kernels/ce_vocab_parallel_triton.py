@@ -75,8 +75,9 @@ def _shard_grad_kernel(
     target_coef = tl.load(target_coef_ptr + row)
     scale = tl.load(scale_ptr + row)
     # y = -1 (target in another shard) matches no column; scale 0 marks an ignored row: exact zeros.
+    # extra_coef comes per row from the host (smoothing and z-loss): always read.
     _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class, scale,
-                    scale != 0.0, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, BLOCK_V)
+                    scale != 0.0, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, True, HAS_SOFTCAP, BLOCK_V)
 
 
 def _launch_shape(vocab: int) -> tuple[int, int]:

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ..options import LossOptions
 from .ce_triton import _sm_count
+from .fast_exp_triton import exp_ftz
 from .softcap_triton import capped
 
 
@@ -85,7 +86,7 @@ def _logits_stats_kernel(x_desc, w_desc, out_desc, bias_ptr, max_ptr, sum_ptr, M
             # Statistics of the stored (rounded) logits: the values the CE kernel will read back.
             z = tl.where(cols[None, :] < N, capped(out.to(tl.float32), inv_temp, softcap, HAS_SOFTCAP), float("-inf"))
             row_max = tl.max(z, 1)
-            row_sum = tl.sum(tl.exp(z - row_max[:, None]), 1)
+            row_sum = tl.sum(exp_ftz(z - row_max[:, None]), 1)
         rows = m0 + tl.arange(0, BM)
         stat = rows.to(tl.int64) * grid_n + pid_n
         tl.store(max_ptr + stat, row_max, mask=rows < M)
@@ -107,7 +108,7 @@ def _store_exp(acc, cols, out_desc, m0, n0, N, inv_temp):
     z = tl.where(cols[None, :] < N, acc * inv_temp, float("-inf"))
     row_max = tl.max(z, 1)
     shift = tl.where((row_max > EXP_HIGH) | (row_max < EXP_LOW), row_max, 0.0)
-    e = tl.exp(z - shift[:, None])
+    e = exp_ftz(z - shift[:, None])
     out_desc.store([m0, n0], e.to(out_desc.dtype))
     return row_max, tl.sum(e, 1) * tl.exp(shift - row_max)
 
