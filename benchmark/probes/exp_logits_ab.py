@@ -11,7 +11,8 @@ mode's backward blocks that borrow grad_weight's storage (``LowMemoryPlan.blocks
 instead of the exp-logits path; ``--autocast`` runs flce on float32 leaves under bf16 autocast.
 ``--base DIR`` compares this tree's Hopper GEMM kernels (the logits GEMM and the low-memory mode's fused
 block GEMM) with another tree's, in the same steps (DIR holds that tree's ``src/flce`` copied as
-``flce_base``), and times the kernels alone. GPU only:
+``flce_base``: ``mkdir .ab && git archive REV src/flce | tar -x -C .ab && mv .ab/src/flce .ab/flce_base``), and
+times the kernels alone (`results/2026-11-25-h100-1a6937c/ab_*.txt`). GPU only:
 
     PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7]
         [--low-memory [--borrow]] [--base DIR] [--frozen-weight] [--autocast]
