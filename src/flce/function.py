@@ -16,6 +16,8 @@ backward's GEMMs run on the exponentials with the rows scaled: no CE pass at all
 Chunks that compute grad_input alone (the low-memory mode's forward) take that path chunk by chunk where
 the plan budgets their float32 product (``ChunkPlan.input_product_cols``); their window check goes back
 with the gradients (``ChunkGrads.window``) for that mode's backward to read.
+A loss without gradients on Hopper stores no logits: the GEMM keeps its statistics alone
+(``loss_only.py``).
 
 Autograd's contracts: what backward reads of the caller's tensors (a single chunk's GEMM operands, or
 every input for reduction="none") goes through ``save_for_backward``, so an in-place change between
@@ -34,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import exp_logits
+from . import exp_logits, loss_only
 from .exp_logits import PendingExp
 from .gemm import mm_into, mm_new
 from .kernels import ce_chunk, math_dtype
@@ -151,6 +153,11 @@ def chunk_loop(
             grads.weight.zero_()
         return parts, grads
 
+    if not grad and loss_only.wanted(opts, want_correct, backend, dev):
+        x_all = _as_dtype(x, compute_dtype)
+        if loss_only.supported(x_all, w, bias):
+            loss_only.run(x_all, w, bias, target, class_weight, opts, parts.loss, parts.lse)
+            return parts, grads
     # One chunk: its GEMM allocates the logits (small batches are launch-bound: one host call fewer).
     buffer = torch.empty(plan.rows, vocab, dtype=compute_dtype, device=dev) if plan.num_chunks > 1 else None
     row_scale = grad and grad_scale.dim() == 1

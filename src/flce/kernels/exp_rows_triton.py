@@ -1,4 +1,4 @@
-"""The row kernels of the exp-logits path (``exp_logits.py``).
+"""The row kernels of the exp-logits path (``exp_logits.py``) and of a loss without gradients (``loss_only.py``).
 
 Forward (``exp_rows``), one program per row at a time and no pass over the vocabulary: the row's lse from
 the logits GEMM's tile statistics, z at the target as a float32 dot of x with the target's weight row (plus
@@ -42,6 +42,65 @@ def _lowest(max_ptr, n_tiles, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def _row_loss(row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr, tile_max_ptr,
+              tile_sum_ptr, loss_ptr, lse_ptr, V, H, n_tiles, ignore_index, inv_temp, HAS_BIAS: tl.constexpr,
+              HAS_WEIGHT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One row's loss w_y (lse - z_y) and lse written (0 on an ignored row, NaN loss on an unchecked target
+    outside [0, V)), from the GEMM's tile statistics and z_y as a float32 dot of x with the target's weight
+    row (plus its bias), over T. Returns the target (clamped into [0, V)), whether the row counts, whether
+    its target is bad, lse, z_y and w_y."""
+    y = tl.load(target_ptr + row)
+    valid = y != ignore_index
+    bad = valid & ((y < 0) | (y >= V))  # an unchecked bad target: NaN loss and gradient, never a number
+    y = tl.minimum(tl.maximum(y, 0), V - 1)
+    lse = _tile_stats_lse(tile_max_ptr + row * n_tiles, tile_sum_ptr + row * n_tiles, n_tiles, BLOCK_T)
+    dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        xr = tl.load(x_ptr + row * stride_x + h, mask=h < H, other=0.0).to(tl.float32)
+        dot += xr * tl.load(w_ptr + y * stride_w + h, mask=h < H, other=0.0).to(tl.float32)
+    z_y = tl.sum(dot, 0)
+    if HAS_BIAS:
+        z_y += tl.load(bias_ptr + y).to(tl.float32)
+    z_y = z_y * inv_temp
+    w_y = tl.load(class_weight_ptr + y).to(tl.float32) if HAS_WEIGHT else 1.0
+    tl.store(loss_ptr + row, tl.where(valid, w_y * (lse - z_y) + tl.where(bad, float("nan"), 0.0), 0.0))
+    tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
+    return y, valid, bad, lse, z_y, w_y
+
+
+@triton.jit
+def _loss_rows_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr, tile_max_ptr,
+                      tile_sum_ptr, loss_ptr, lse_ptr, n_rows, V, H, n_tiles, ignore_index, inv_temp,
+                      HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+    for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        _row_loss(tl.cast(row_i, tl.int64), x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr,
+                  tile_max_ptr, tile_sum_ptr, loss_ptr, lse_ptr, V, H, n_tiles, ignore_index, inv_temp, HAS_BIAS,
+                  HAS_WEIGHT, BLOCK_H, BLOCK_T)
+
+
+def loss_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+              class_weight: torch.Tensor | None, tile_stats: tuple[torch.Tensor, torch.Tensor], loss: torch.Tensor,
+              lse: torch.Tensor, opts: LossOptions) -> None:
+    """Each row's loss and lse (n,) float32 from the logits GEMM's (n, T) tile statistics alone (no logits
+    stored: ``loss_only.py``), as ``exp_rows`` computes them. x (n, H), weight (V, H) with unit-stride rows,
+    bias (V,) or None, target (n,) int64, class_weight (V,) or None."""
+    n, hidden = x.shape
+    assert x.stride(1) == 1 and weight.stride(1) == 1
+    tile_max, tile_sum = tile_stats
+    _loss_rows_kernel[(min(n, 16 * _sm_count(x.device.index)),)](
+        x, x.stride(0), weight, weight.stride(0), bias if bias is not None else loss, target,
+        class_weight if class_weight is not None else loss, tile_max, tile_sum, loss, lse, n, weight.shape[0], hidden,
+        tile_max.shape[1], opts.ignore_index, 1.0 / opts.temperature, HAS_BIAS=bias is not None,
+        HAS_WEIGHT=class_weight is not None, **_row_blocks(hidden, tile_max.shape[1]), num_warps=4,
+    )
+
+
+def _row_blocks(hidden: int, n_tiles: int) -> dict:
+    return dict(BLOCK_H=min(1024, triton.next_power_of_2(hidden)), BLOCK_T=min(1024, triton.next_power_of_2(n_tiles)))
+
+
+@triton.jit
 def _exp_rows_kernel(e_ptr, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr, tile_max_ptr,
                      tile_sum_ptr, loss_ptr, lse_ptr, coef_ptr, target_coef_ptr, key_ptr, counts_ptr, total_ptr,
                      scale_ptr, miss_ptr, n_rows, V, H, n_tiles, ignore_index, inv_temp, lse_lo, lse_hi,
@@ -52,28 +111,15 @@ def _exp_rows_kernel(e_ptr, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_p
     misses = tl.zeros((), dtype=tl.int32)
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
-        y = tl.load(target_ptr + row)
-        valid = y != ignore_index
-        bad = valid & ((y < 0) | (y >= V))  # an unchecked bad target: NaN loss and gradient, never a number
+        y, valid, bad, lse, z_y, w_y = _row_loss(row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr,
+                                                 class_weight_ptr, tile_max_ptr, tile_sum_ptr, loss_ptr, lse_ptr,
+                                                 V, H, n_tiles, ignore_index, inv_temp, HAS_BIAS, HAS_WEIGHT,
+                                                 BLOCK_H, BLOCK_T)
         poison = tl.where(bad, float("nan"), 0.0)
         if MEAN_BY_COUNT:
             n_valid += valid.to(tl.int64)
             n_bad += bad.to(tl.int64)
-        y = tl.minimum(tl.maximum(y, 0), V - 1)
-        lse = _tile_stats_lse(tile_max_ptr + row * n_tiles, tile_sum_ptr + row * n_tiles, n_tiles, BLOCK_T)
         low = _lowest(tile_max_ptr + row * n_tiles, n_tiles, BLOCK_T)
-        dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            xr = tl.load(x_ptr + row * stride_x + h, mask=h < H, other=0.0).to(tl.float32)
-            dot += xr * tl.load(w_ptr + y * stride_w + h, mask=h < H, other=0.0).to(tl.float32)
-        z_y = tl.sum(dot, 0)
-        if HAS_BIAS:
-            z_y += tl.load(bias_ptr + y).to(tl.float32)
-        z_y = z_y * inv_temp
-        w_y = tl.load(class_weight_ptr + y).to(tl.float32) if HAS_WEIGHT else 1.0
-        tl.store(loss_ptr + row, tl.where(valid, w_y * (lse - z_y) + poison, 0.0))
-        tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
         tl.store(coef_ptr + row, tl.where(valid, w_y * inv_temp * tl.exp(-lse) + poison, 0.0))
         # The one-hot term: folded into e for a confident target (a * e[y] = w_y / T * (p_y - 1), no
         # cancellation), else left to backward as its own exact term (-w_y / T at the target).
@@ -114,9 +160,8 @@ def exp_rows(e: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch
         counts if mean_by_count else misses, total if mean_by_count else loss, scale if mean_by_count else loss,
         misses, n, vocab, hidden, tile_max.shape[1], opts.ignore_index,
         1.0 / opts.temperature, float(window[0]), float(window[1]), HAS_BIAS=bias is not None,
-        HAS_WEIGHT=class_weight is not None, MEAN_BY_COUNT=mean_by_count,
-        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
-        BLOCK_T=min(1024, triton.next_power_of_2(tile_max.shape[1])), num_warps=4,
+        HAS_WEIGHT=class_weight is not None, MEAN_BY_COUNT=mean_by_count, **_row_blocks(hidden, tile_max.shape[1]),
+        num_warps=4,
     )
 
 

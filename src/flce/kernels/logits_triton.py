@@ -69,7 +69,7 @@ def tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS: tl.constexpr, 
 
 @triton.jit
 def _logits_stats_kernel(x_desc, w_desc, out_desc, bias_ptr, max_ptr, sum_ptr, M, N, K, inv_temp, softcap,
-                         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, STORE_EXP: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, OUTPUT: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                          PROGRAMS: tl.constexpr):
     grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
@@ -78,19 +78,27 @@ def _logits_stats_kernel(x_desc, w_desc, out_desc, bias_ptr, max_ptr, sum_ptr, M
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
         m0, n0 = pid_m * BM, pid_n * BN
         acc, cols = tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS, BM, BN, BK)
-        if STORE_EXP:
+        if OUTPUT == STORE_EXP:
             row_max, row_sum = _store_exp(acc, cols, out_desc, m0, n0, N, inv_temp)
         else:
-            out = acc.to(out_desc.dtype)
-            out_desc.store([m0, n0], out)
-            # Statistics of the stored (rounded) logits: the values the CE kernel will read back.
-            z = tl.where(cols[None, :] < N, capped(out.to(tl.float32), inv_temp, softcap, HAS_SOFTCAP), float("-inf"))
+            if OUTPUT == STORE_LOGITS:
+                out = acc.to(out_desc.dtype)
+                out_desc.store([m0, n0], out)
+                acc = out.to(tl.float32)  # statistics of the values the CE kernel will read back
+            z = tl.where(cols[None, :] < N, capped(acc, inv_temp, softcap, HAS_SOFTCAP), float("-inf"))
             row_max = tl.max(z, 1)
             row_sum = tl.sum(exp_ftz(z - row_max[:, None]), 1)
         rows = m0 + tl.arange(0, BM)
         stat = rows.to(tl.int64) * grid_n + pid_n
         tl.store(max_ptr + stat, row_max, mask=rows < M)
         tl.store(sum_ptr + stat, row_sum, mask=rows < M)
+
+
+# What the GEMM writes besides its statistics: the logits, e = exp(z) (``_store_exp``), or nothing (a loss
+# without gradients needs the statistics alone: ``loss_only.py``).
+STORE_LOGITS = tl.constexpr(0)
+STORE_EXP = tl.constexpr(1)
+STORE_NOTHING = tl.constexpr(2)
 
 
 # Rows of a tile whose max z lies in [EXP_LOW, EXP_HIGH] store exp(z) (STORE_EXP): at e^60 float32 keeps a
@@ -128,7 +136,8 @@ def _tma_ready(t: torch.Tensor) -> bool:
 ALLOW_INTERPRETER = False
 
 
-def _hopper(device: torch.device) -> bool:
+def hopper(device: torch.device) -> bool:
+    """Whether this path's GPU generation is there (CUDA capability 9 or newer; the interpreter in tests)."""
     if device.type != "cuda":
         return ALLOW_INTERPRETER and os.environ.get("TRITON_INTERPRET") == "1"
     return _capability_major(device.index) >= 9
@@ -150,7 +159,7 @@ def supported(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         and (bias is None or bias.stride(0) == 1)
         and _tma_ready(x_c)
         and _tma_ready(weight)
-        and _hopper(x_c.device)
+        and hopper(x_c.device)
     )
 
 
@@ -172,18 +181,30 @@ def logits_with_tile_stats(
     Shapes: x_c (n, H), weight (V, H), bias (V,) or None, out (n, V) in x_c's dtype,
     tile_max / tile_sum (n, num_tiles(V)) float32 contiguous. Check ``supported`` first.
     """
+    assert not (store_exp and opts.softcap is not None), "store_exp takes no softcap"
+    _launch(x_c, weight, bias, out, tile_max, tile_sum, opts, STORE_EXP if store_exp else STORE_LOGITS)
+
+
+def tile_stats(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile_max: torch.Tensor,
+               tile_sum: torch.Tensor, opts: LossOptions) -> None:
+    """The statistics of ``logits_with_tile_stats`` alone, of the unrounded logits; nothing else is written.
+    Shapes as there. Check ``supported`` first."""
+    _launch(x_c, weight, bias, None, tile_max, tile_sum, opts, STORE_NOTHING)
+
+
+def _launch(x_c, weight, bias, out, tile_max, tile_sum, opts: LossOptions, output: int) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    assert not (store_exp and opts.softcap is not None), "store_exp takes no softcap"
     n, hidden = x_c.shape
     vocab = weight.shape[0]
     config = TILE  # read at call time: tests shrink it for the interpreter
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     programs = min(_sm_count(x_c.device.index), triton.cdiv(n, bm) * triton.cdiv(vocab, bn))
+    x_desc = TensorDescriptor.from_tensor(x_c, [bm, bk])
     _logits_stats_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x_c, [bm, bk]),
+        x_desc,
         TensorDescriptor.from_tensor(weight, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn]),
+        x_desc if out is None else TensorDescriptor.from_tensor(out, [bm, bn]),  # never written without out
         bias if bias is not None else tile_max,
         tile_max,
         tile_sum,
@@ -194,7 +215,7 @@ def logits_with_tile_stats(
         float(opts.softcap or 1.0),
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=opts.softcap is not None,
-        STORE_EXP=store_exp,
+        OUTPUT=output,
         BM=bm,
         BN=bn,
         BK=bk,

@@ -1,0 +1,60 @@
+"""A loss without gradients (evaluation, ``torch.no_grad()``): no logits written at all.
+
+On Hopper the logits GEMM keeps only its per-row tile statistics (``logits_triton.tile_stats``: max and
+sum of exp(z - max) of each 256-column tile, from the unrounded float32 logits) and one row kernel
+(``exp_rows_triton.loss_rows``) finishes each row: lse from the statistics, z at the target as a float32 dot
+of x with the target's weight row, loss = w_y (lse - z_y). Against the chunked path (each chunk's logits
+stored, then read back by the CE kernel) this saves a write and a read of every logit (2 x 2.1 GB at
+8192 x 128256 in bf16) and runs one GEMM over all rows instead of one per 2048-row chunk; the loss is that
+of the unrounded logits. Options that need more of each row than its lse and target logit (label
+smoothing, z-loss, softcap, accuracy) keep the chunked path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .options import LossOptions
+
+# Bytes of tile statistics per launch: at 128256 columns (501 tiles) 134k rows, so one launch in practice.
+STATS_BUDGET = 512 * 2**20
+
+
+def wanted(opts: LossOptions, want_correct: bool, backend: str, device: torch.device) -> bool:
+    """Whether the options allow this path: the Triton backend on Hopper, and nothing needed of a row but
+    its lse and target logit. Then ``supported`` decides on the operands in the compute dtype."""
+    if backend != "triton" or want_correct or opts.label_smoothing > 0.0 or opts.z_loss > 0.0:
+        return False
+    if opts.softcap is not None:
+        return False
+    from .kernels import logits_triton
+
+    return logits_triton.hopper(device)
+
+
+def supported(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """The Hopper GEMM's conditions (``logits_triton.supported``: 16-bit floats, TMA-able layouts, enough
+    rows) for x (n, H) and w (V, H) in the compute dtype."""
+    from .kernels import logits_triton
+
+    return logits_triton.supported(x, w, bias)
+
+
+def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+        class_weight: torch.Tensor | None, opts: LossOptions, loss: torch.Tensor, lse: torch.Tensor) -> None:
+    """loss and lse (n,) float32 of every row (0 on ignored rows, NaN loss on an unchecked target outside
+    [0, V)). x (n, H) and w (V, H) in the compute dtype, bias (V,) or None, target (n,) int64, class_weight
+    (V,) float32 or None. Check ``wanted`` and ``supported`` first."""
+    from .kernels import logits_triton
+    from .kernels.exp_rows_triton import loss_rows
+
+    n, vocab = x.shape[0], w.shape[0]
+    tiles = logits_triton.num_tiles(vocab)
+    rows = max(STATS_BUDGET // (2 * 4 * tiles), logits_triton.MIN_ROWS)
+    stats = torch.empty(2, min(rows, n), tiles, dtype=torch.float32, device=x.device)
+    for start in range(0, n, rows):
+        end = min(start + rows, n)
+        part = slice(start, end) if end - start < n else slice(None)
+        tile_max, tile_sum = stats[0, : end - start], stats[1, : end - start]
+        logits_triton.tile_stats(x[part], w, bias, tile_max, tile_sum, opts)
+        loss_rows(x[part], w, bias, target[part], class_weight, (tile_max, tile_sum), loss[part], lse[part], opts)

@@ -1,0 +1,135 @@
+"""A loss without gradients (loss_only.py, logits_triton.tile_stats, exp_rows_triton.loss_rows): against
+float64 for every option it takes, to float32 precision (it reads no rounded logits), the calls that keep
+the chunked path, launches split by the statistics budget, and NaN for an unchecked bad target.
+
+On the CPU it runs under TRITON_INTERPRET=1 with small tiles and in float16 (the interpreter reads bf16
+through tensor descriptors wrongly); on a Hopper GPU in bf16 at real sizes."""
+
+import pytest
+import torch
+from reference import TOL, reference_loss, rel_err
+
+import flce
+from flce import loss_only
+from flce.kernels import triton_available
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="triton cannot run here")
+
+lt = pytest.importorskip("flce.kernels.logits_triton")
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+DTYPE = torch.bfloat16 if ON_HOPPER else torch.float16
+# Float32 arithmetic on the unrounded logits: far inside the 16-bit tolerance the chunked path needs.
+FLOAT32_TOL = 1e-4
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Let the path run on small shapes (under the interpreter with small tiles) and record the rows of
+    every call that takes it."""
+    monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
+    monkeypatch.setattr(lt, "MIN_ROWS", 8)
+    if not ON_HOPPER:
+        monkeypatch.setattr(lt, "TILE", lt.TileConfig(32, 64, 16, 2, 4, 4))
+    rows, run = [], loss_only.run
+    monkeypatch.setattr(loss_only, "run", lambda *a, **k: rows.append(a[0].shape[0]) or run(*a, **k))
+    return rows
+
+
+def case(n=40, hidden=32, vocab=120, bias=False, weight_cls=False, ignore=0.0, ignore_index=-100, dtype=DTYPE):
+    """Fresh random inputs (vocab 120: a partial last tile of the small test tiles), logits of about 2
+    standard deviations."""
+    x = torch.randn(n, hidden, device=DEVICE).to(dtype)
+    w = (torch.randn(vocab, hidden, device=DEVICE) * 2 / hidden**0.5).to(dtype)
+    b = (torch.randn(vocab, device=DEVICE) * 0.5).to(dtype) if bias else None
+    t = torch.randint(0, vocab, (n,), device=DEVICE)
+    if ignore:
+        t[torch.rand(n, device=DEVICE) < ignore] = ignore_index
+    cw = torch.rand(vocab, device=DEVICE) + 0.2 if weight_cls else None
+    return x, w, b, t, cw
+
+
+def loss_and_reference(x, w, b, t, cw, **opts):
+    with torch.no_grad():
+        loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, backend="triton", **opts)
+    ref, _ = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, **opts)
+    return loss, ref
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opts", [
+    {},
+    {"temperature": 1.3},
+    {"weight_cls": True},
+    {"ignore": 0.25, "ignore_index": 3},
+    {"bias": True, "weight_cls": True, "ignore": 0.3, "temperature": 0.8},
+])
+def test_matches_float64(launches, reduction, opts):
+    opts = dict(opts)
+    inputs = case(**{k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts},
+                  ignore_index=opts.get("ignore_index", -100))
+    loss, ref = loss_and_reference(*inputs, reduction=reduction, **opts)
+    assert launches == [inputs[0].shape[0]]
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    assert rel_err(loss, ref) <= FLOAT32_TOL
+
+
+def test_launches_split_by_the_statistics_budget(launches, monkeypatch):
+    tiles = lt.num_tiles(120)
+    monkeypatch.setattr(loss_only, "STATS_BUDGET", 16 * 2 * 4 * tiles)  # 16 rows of statistics per launch
+    x, w, b, t, cw = case(n=40, bias=True, ignore=0.2)
+    loss, ref = loss_and_reference(x, w, b, t, cw, reduction="none")
+    assert launches == [40] and rel_err(loss, ref) <= FLOAT32_TOL
+
+
+@pytest.mark.parametrize("opts", [{"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0}])
+def test_options_it_does_not_take_keep_the_chunked_path(launches, opts):
+    loss, ref = loss_and_reference(*case(), **opts)
+    assert launches == [] and rel_err(loss, ref) <= TOL[DTYPE]
+
+
+def test_statistics_keep_the_chunked_path(launches):
+    x, w, b, t, cw = case()
+    with torch.no_grad():
+        loss, stats = flce.linear_cross_entropy(x, w, t, backend="triton", return_stats=True)
+    assert launches == [] and stats is not None and rel_err(loss, reference_loss(x, w, t)[0]) <= TOL[DTYPE]
+
+
+def test_training_keeps_its_path(launches):
+    x, w, b, t, cw = case()
+    loss = flce.linear_cross_entropy(x.requires_grad_(), w, t, backend="triton")
+    loss.backward()
+    assert launches == [] and x.grad is not None
+
+
+def test_unchecked_bad_target_gives_nan_not_a_number(launches):
+    x, w, b, t, cw = case()
+    t[5] = 120
+    with torch.no_grad():
+        rows = flce.linear_cross_entropy(x, w, t, reduction="none", backend="triton", validate_target=False)
+    assert launches == [40] and torch.isnan(rows[5]) and torch.isfinite(rows[torch.arange(40) != 5]).all()
+
+
+def test_bad_target_raises_when_checked(launches):
+    x, w, b, t, cw = case()
+    t[5] = -7
+    with pytest.raises(ValueError, match="target"), torch.no_grad():
+        flce.linear_cross_entropy(x, w, t, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8192, 4096, 128256), (4096, 2048, 32000)])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_gpu_real_shapes(shape, autocast, monkeypatch):
+    """bf16 (or float32 leaves under bf16 autocast) at real sizes with flce's own thresholds: the path
+    runs and its loss sits at float32 precision, while the chunked path's carries the logits' rounding."""
+    if not ON_HOPPER:
+        pytest.skip("the path needs Hopper")
+    rows, run = [], loss_only.run
+    monkeypatch.setattr(loss_only, "run", lambda *a, **k: rows.append(a[0].shape[0]) or run(*a, **k))
+    x, w, b, t, cw = case(*shape, ignore=0.1, dtype=torch.float32 if autocast else torch.bfloat16)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        loss = flce.linear_cross_entropy(x, w, t, reduction="none")
+    ref, _ = reference_loss(x.bfloat16(), w.bfloat16(), t, reduction="none")
+    assert rows == [int((t != -100).sum())]  # the target check drops ignored rows before the GEMM
+    assert rel_err(loss, ref) <= FLOAT32_TOL
