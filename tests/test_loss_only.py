@@ -49,9 +49,10 @@ def case(n=40, hidden=32, vocab=120, bias=False, weight_cls=False, ignore=0.0, i
     return x, w, b, t, cw
 
 
-def loss_and_reference(x, w, b, t, cw, **opts):
+def loss_and_reference(x, w, b, t, cw, mode=None, **opts):
+    """flce's loss without gradients (``mode``: its own settings) and the float64 reference."""
     with torch.no_grad():
-        loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, backend="triton", **opts)
+        loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, backend="triton", **opts, **(mode or {}))
     ref, _ = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, **opts)
     return loss, ref
 
@@ -74,12 +75,19 @@ def test_matches_float64(launches, reduction, opts):
     assert rel_err(loss, ref) <= FLOAT32_TOL
 
 
-def test_launches_split_by_the_statistics_budget(launches, monkeypatch):
-    tiles = lt.num_tiles(120)
-    monkeypatch.setattr(loss_only, "STATS_BUDGET", 16 * 2 * 4 * tiles)  # 16 rows of statistics per launch
+@pytest.mark.parametrize("mode", [{"chunk_size": 1}, {"low_memory": True, "chunk_size": 1}])
+def test_statistics_take_no_more_than_a_chunk_of_logits(launches, monkeypatch, mode):
+    """The statistics of one launch fit the chunk plan's logits buffer (here one row of 120 logits: 15 rows
+    of statistics with the interpreter's 2 tiles a row, 30 with Hopper's 1), the low-memory mode's included."""
+    gemms, tile_stats = [], lt.tile_stats
+    monkeypatch.setattr(lt, "tile_stats", lambda x, *a, **k: gemms.append(x.shape[0]) or tile_stats(x, *a, **k))
     x, w, b, t, cw = case(n=40, bias=True, ignore=0.2)
-    loss, ref = loss_and_reference(x, w, b, t, cw, reduction="none")
-    assert launches == [40] and rel_err(loss, ref) <= FLOAT32_TOL
+    loss, ref = loss_and_reference(x, w, b, t, cw, mode, reduction="none")
+    tiles = lt.num_tiles(120)
+    per_launch = max(120 * x.element_size() // (2 * 4 * tiles), lt.MIN_ROWS)
+    assert launches == [40] and gemms == [min(per_launch, 40 - start) for start in range(0, 40, per_launch)]
+    assert len(gemms) > 1
+    assert rel_err(loss, ref) <= FLOAT32_TOL
 
 
 @pytest.mark.parametrize("opts", [{"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0}])

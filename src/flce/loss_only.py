@@ -16,10 +16,6 @@ import torch
 
 from .options import LossOptions
 
-# Bytes of tile statistics per launch: at 128256 columns (501 tiles) 134k rows, so one launch in practice.
-STATS_BUDGET = 512 * 2**20
-
-
 def wanted(opts: LossOptions, want_correct: bool, backend: str, device: torch.device) -> bool:
     """Whether the options allow this path: the Triton backend on Hopper, and nothing needed of a row but
     its lse and target logit. Then ``supported`` decides on the operands in the compute dtype."""
@@ -41,16 +37,19 @@ def supported(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bo
 
 
 def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-        class_weight: torch.Tensor | None, opts: LossOptions, loss: torch.Tensor, lse: torch.Tensor) -> None:
+        class_weight: torch.Tensor | None, opts: LossOptions, loss: torch.Tensor, lse: torch.Tensor,
+        budget: int) -> None:
     """loss and lse (n,) float32 of every row (0 on ignored rows, NaN loss on an unchecked target outside
     [0, V)). x (n, H) and w (V, H) in the compute dtype, bias (V,) or None, target (n,) int64, class_weight
-    (V,) float32 or None. Check ``wanted`` and ``supported`` first."""
+    (V,) float32 or None; ``budget``: bytes the tile statistics of one launch may take (the chunk plan's
+    logits buffer: at 128256 columns a 512 MiB buffer holds 134k rows' statistics, so one launch in
+    practice; the low-memory mode's 64 MiB, 16k rows). Check ``wanted`` and ``supported`` first."""
     from .kernels import logits_triton
     from .kernels.exp_rows_triton import loss_rows
 
     n, vocab = x.shape[0], w.shape[0]
     tiles = logits_triton.num_tiles(vocab)
-    rows = max(STATS_BUDGET // (2 * 4 * tiles), logits_triton.MIN_ROWS)
+    rows = max(budget // (2 * 4 * tiles), logits_triton.MIN_ROWS)
     stats = torch.empty(2, min(rows, n), tiles, dtype=torch.float32, device=x.device)
     for start in range(0, n, rows):
         end = min(start + rows, n)
