@@ -116,3 +116,37 @@ class DropGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return None
+
+
+# Options of the Hopper row-kernel paths (the exp-logits path, the loss without gradients), as cases for
+# ``split_options``: what ``row_case`` builds into the inputs, the rest the loss's own keywords.
+ROW_PATH_OPTIONS = [
+    {},
+    {"temperature": 1.3},
+    {"weight_cls": True},
+    {"ignore": 0.25, "ignore_index": 3},
+    {"bias": True, "weight_cls": True, "ignore": 0.3, "temperature": 0.8},
+]
+_INPUT_OPTIONS = ("bias", "weight_cls", "ignore")
+
+
+def split_options(opts: dict) -> tuple[dict, dict]:
+    """(keywords of ``row_case``, keywords of the loss) of one option case."""
+    inputs = {k: v for k, v in opts.items() if k in _INPUT_OPTIONS}
+    inputs["ignore_index"] = opts.get("ignore_index", -100)
+    return inputs, {k: v for k, v in opts.items() if k not in _INPUT_OPTIONS}
+
+
+def row_case(n=40, hidden=32, vocab=120, scale=1.0, bias=False, weight_cls=False, ignore=0.0, ignore_index=-100,
+             *, dtype, device, requires_grad=True):
+    """Fresh random (x, w, bias, target, class weights) with logits of about ``scale`` standard deviations
+    (vocab 120: a partial last tile of the small test tiles). x and w are leaves that require grad unless
+    ``requires_grad`` is False; the bias never does (a bias gradient takes the standard path)."""
+    x = torch.randn(n, hidden, device=device).to(dtype).requires_grad_(requires_grad)
+    w = (torch.randn(vocab, hidden, device=device) * scale / hidden**0.5).to(dtype).requires_grad_(requires_grad)
+    b = (torch.randn(vocab, device=device) * 0.5).to(dtype) if bias else None
+    t = torch.randint(0, vocab, (n,), device=device)
+    if ignore:
+        t[torch.rand(n, device=device) < ignore] = ignore_index
+    cw = torch.rand(vocab, device=device) + 0.2 if weight_cls else None
+    return x, w, b, t, cw

@@ -11,7 +11,7 @@ from unittest.mock import patch
 
 import pytest
 import torch
-from reference import TOL, assert_close, reference_loss
+from reference import ROW_PATH_OPTIONS, TOL, assert_close, reference_loss, row_case, split_options
 
 import flce
 from flce import exp_logits
@@ -60,18 +60,9 @@ def path(monkeypatch, small_products):
     return seen
 
 
-def case(n=40, hidden=32, vocab=120, scale=1.0, bias=False, weight_cls=False, ignore=0.0, ignore_index=-100,
-         dtype=DTYPE):
-    """Fresh random inputs (vocab 120: a partial last tile of the small test tiles); logits of about
-    ``scale`` standard deviations. The bias is frozen (a bias gradient takes the standard path)."""
-    x = torch.randn(n, hidden, device=DEVICE).to(dtype).requires_grad_()
-    w = (torch.randn(vocab, hidden, device=DEVICE) * scale / hidden**0.5).to(dtype).requires_grad_()
-    b = (torch.randn(vocab, device=DEVICE) * 0.5).to(dtype) if bias else None
-    t = torch.randint(0, vocab, (n,), device=DEVICE)
-    if ignore:
-        t[torch.rand(n, device=DEVICE) < ignore] = ignore_index
-    cw = torch.rand(vocab, device=DEVICE) + 0.2 if weight_cls else None
-    return x, w, b, t, cw
+def case(*args, dtype=DTYPE, **kwargs):
+    """``reference.row_case`` on this file's device and dtype: leaves that require grad."""
+    return row_case(*args, dtype=dtype, device=DEVICE, **kwargs)
 
 
 def run_and_compare(x, w, b, t, cw, reduction="mean", grad_out=1.7, tol=None, mode=None, **opts):
@@ -93,18 +84,10 @@ def run_and_compare(x, w, b, t, cw, reduction="mean", grad_out=1.7, tol=None, mo
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("opts", [
-    {},
-    {"temperature": 1.3},
-    {"weight_cls": True},
-    {"ignore": 0.25, "ignore_index": 3},
-    {"bias": True, "weight_cls": True, "ignore": 0.3, "temperature": 0.8},
-])
+@pytest.mark.parametrize("opts", ROW_PATH_OPTIONS)
 def test_matches_float64(path, reduction, opts):
-    opts = dict(opts)
-    inputs = case(**{k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts},
-                  ignore_index=opts.get("ignore_index", -100))
-    run_and_compare(*inputs, reduction=reduction, **opts)
+    inputs, opts = split_options(opts)
+    run_and_compare(*case(**inputs), reduction=reduction, **opts)
     assert path.taken == [1] and path.fell_back == []
 
 
@@ -255,10 +238,8 @@ def test_low_memory_chunks_match_float64(path, low_memory_plan, reduction, opts)
     """Each forward chunk computes grad_input from its stored exponentials, the product in column pieces
     (16 rows, 16 of 32 columns at a time); backward's blocks recompute the logits as before."""
     low_memory_plan(16 * 16 * 4)
-    opts = dict(opts)
-    inputs = case(**{k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts},
-                  ignore_index=opts.get("ignore_index", -100))
-    run_and_compare(*inputs, reduction=reduction, mode={"low_memory": True, "chunk_size": 16}, **opts)
+    inputs, opts = split_options(opts)
+    run_and_compare(*case(**inputs), reduction=reduction, mode={"low_memory": True, "chunk_size": 16}, **opts)
     assert path.chunks == [16, 16, 8] and path.taken == []
 
 

@@ -7,7 +7,7 @@ through tensor descriptors wrongly); on a Hopper GPU in bf16 at real sizes."""
 
 import pytest
 import torch
-from reference import TOL, reference_loss, rel_err
+from reference import ROW_PATH_OPTIONS, TOL, reference_loss, rel_err, row_case, split_options
 
 import flce
 from flce import loss_only
@@ -36,17 +36,10 @@ def launches(monkeypatch):
     return rows
 
 
-def case(n=40, hidden=32, vocab=120, bias=False, weight_cls=False, ignore=0.0, ignore_index=-100, dtype=DTYPE):
-    """Fresh random inputs (vocab 120: a partial last tile of the small test tiles), logits of about 2
-    standard deviations."""
-    x = torch.randn(n, hidden, device=DEVICE).to(dtype)
-    w = (torch.randn(vocab, hidden, device=DEVICE) * 2 / hidden**0.5).to(dtype)
-    b = (torch.randn(vocab, device=DEVICE) * 0.5).to(dtype) if bias else None
-    t = torch.randint(0, vocab, (n,), device=DEVICE)
-    if ignore:
-        t[torch.rand(n, device=DEVICE) < ignore] = ignore_index
-    cw = torch.rand(vocab, device=DEVICE) + 0.2 if weight_cls else None
-    return x, w, b, t, cw
+def case(*args, dtype=DTYPE, **kwargs):
+    """``reference.row_case`` on this file's device and dtype, logits of about 2 standard deviations, no
+    leaf that requires grad."""
+    return row_case(*args, **{"scale": 2.0, **kwargs}, dtype=dtype, device=DEVICE, requires_grad=False)
 
 
 def loss_and_reference(x, w, b, t, cw, mode=None, **opts):
@@ -58,19 +51,12 @@ def loss_and_reference(x, w, b, t, cw, mode=None, **opts):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("opts", [
-    {},
-    {"temperature": 1.3},
-    {"weight_cls": True},
-    {"ignore": 0.25, "ignore_index": 3},
-    {"bias": True, "weight_cls": True, "ignore": 0.3, "temperature": 0.8},
-])
+@pytest.mark.parametrize("opts", ROW_PATH_OPTIONS)
 def test_matches_float64(launches, reduction, opts):
-    opts = dict(opts)
-    inputs = case(**{k: opts.pop(k) for k in ("bias", "weight_cls", "ignore") if k in opts},
-                  ignore_index=opts.get("ignore_index", -100))
-    loss, ref = loss_and_reference(*inputs, reduction=reduction, **opts)
-    assert launches == [inputs[0].shape[0]]
+    inputs, opts = split_options(opts)
+    x, w, b, t, cw = case(**inputs)
+    loss, ref = loss_and_reference(x, w, b, t, cw, reduction=reduction, **opts)
+    assert launches == [x.shape[0]]
     assert loss.dtype == torch.float32 and loss.shape == ref.shape
     assert rel_err(loss, ref) <= FLOAT32_TOL
 

@@ -27,13 +27,12 @@ import triton.language as tl
 
 from flce.kernels import block_gemm_triton, logits_triton
 from flce.kernels.ce_block_triton import _block_grad, _block_row_terms, row_arguments
-from flce.kernels.logits_triton import _store_exp, _tile_coords, tile_logits
-from flce.kernels.fast_exp_triton import exp_ftz
+from flce.kernels.logits_triton import STORE_EXP, STORE_LOGITS, _tile_coords, tile_epilogue, tile_logits
 
 
 @triton.jit
 def _logits_ws_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, max_ptr, sum_ptr, M, N, K, inv_temp,
-                      HAS_BIAS: tl.constexpr, STORE_EXP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, OUTPUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, GROUP: tl.constexpr, PROGRAMS: tl.constexpr):
     grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
@@ -43,18 +42,8 @@ def _logits_ws_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, max_ptr, sum_ptr, M, N, K
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
         m0, n0 = pid_m * BM, pid_n * BN
         acc, cols = tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS, BM, BN, BK)
-        if STORE_EXP:
-            row_max, row_sum = _store_exp(acc, cols, out_desc, m0, n0, N, inv_temp)
-        else:
-            out = acc.to(out_desc.dtype)
-            out_desc.store([m0, n0], out)
-            z = tl.where(cols[None, :] < N, out.to(tl.float32) * inv_temp, float("-inf"))
-            row_max = tl.max(z, 1)
-            row_sum = tl.sum(exp_ftz(z - row_max[:, None]), 1)
-        rows = m0 + tl.arange(0, BM)
-        stat = rows.to(tl.int64) * grid_n + pid_n
-        tl.store(max_ptr + stat, row_max, mask=rows < M)
-        tl.store(sum_ptr + stat, row_sum, mask=rows < M)
+        tile_epilogue(acc, cols, out_desc, max_ptr, sum_ptr, m0, n0, pid_n, grid_n, M, N, inv_temp, 1.0, False,
+                      OUTPUT)
 
 
 @triton.jit
@@ -103,7 +92,8 @@ def logits_ws(x, w, out, tile_max, tile_sum, store_exp, warps=4, stages=3):
                    triton.cdiv(n, t.block_m) * triton.cdiv(vocab, t.block_n))
     _launch(lambda: _logits_ws_kernel[(programs,)](
         x, w,
-        out, tile_max, tile_max, tile_sum, n, vocab, hidden, 1.0, HAS_BIAS=False, STORE_EXP=store_exp,
+        out, tile_max, tile_max, tile_sum, n, vocab, hidden, 1.0, HAS_BIAS=False,
+        OUTPUT=STORE_EXP if store_exp else STORE_LOGITS,
         BM=t.block_m, BN=t.block_n, BK=t.block_k, GROUP=t.group, PROGRAMS=programs, num_stages=stages,
         num_warps=warps))
 

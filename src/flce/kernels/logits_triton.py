@@ -78,20 +78,29 @@ def _logits_stats_kernel(x_desc, w_desc, out_desc, bias_ptr, max_ptr, sum_ptr, M
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
         m0, n0 = pid_m * BM, pid_n * BN
         acc, cols = tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS, BM, BN, BK)
-        if OUTPUT == STORE_EXP:
-            row_max, row_sum = _store_exp(acc, cols, out_desc, m0, n0, N, inv_temp)
-        else:
-            if OUTPUT == STORE_LOGITS:
-                out = acc.to(out_desc.dtype)
-                out_desc.store([m0, n0], out)
-                acc = out.to(tl.float32)  # statistics of the values the CE kernel will read back
-            z = tl.where(cols[None, :] < N, capped(acc, inv_temp, softcap, HAS_SOFTCAP), float("-inf"))
-            row_max = tl.max(z, 1)
-            row_sum = tl.sum(exp_ftz(z - row_max[:, None]), 1)
-        rows = m0 + tl.arange(0, BM)
-        stat = rows.to(tl.int64) * grid_n + pid_n
-        tl.store(max_ptr + stat, row_max, mask=rows < M)
-        tl.store(sum_ptr + stat, row_sum, mask=rows < M)
+        tile_epilogue(acc, cols, out_desc, max_ptr, sum_ptr, m0, n0, pid_n, grid_n, M, N, inv_temp, softcap,
+                      HAS_SOFTCAP, OUTPUT)
+
+
+@triton.jit
+def tile_epilogue(acc, cols, out_desc, max_ptr, sum_ptr, m0, n0, pid_n, grid_n, M, N, inv_temp, softcap,
+                  HAS_SOFTCAP: tl.constexpr, OUTPUT: tl.constexpr):
+    """What OUTPUT says of the float32 (BM, BN) tile ``acc`` at (m0, n0) stored through ``out_desc``, and
+    its rows' max and sum of exp(z - max) written at column ``pid_n`` of the (M, grid_n) statistics."""
+    if OUTPUT == STORE_EXP:
+        row_max, row_sum = _store_exp(acc, cols, out_desc, m0, n0, N, inv_temp)
+    else:
+        if OUTPUT == STORE_LOGITS:
+            out = acc.to(out_desc.dtype)
+            out_desc.store([m0, n0], out)
+            acc = out.to(tl.float32)  # statistics of the values the CE kernel will read back
+        z = tl.where(cols[None, :] < N, capped(acc, inv_temp, softcap, HAS_SOFTCAP), float("-inf"))
+        row_max = tl.max(z, 1)
+        row_sum = tl.sum(exp_ftz(z - row_max[:, None]), 1)
+    rows = m0 + tl.arange(0, acc.shape[0])
+    stat = rows.to(tl.int64) * grid_n + pid_n
+    tl.store(max_ptr + stat, row_max, mask=rows < M)
+    tl.store(sum_ptr + stat, row_sum, mask=rows < M)
 
 
 # What the GEMM writes besides its statistics: the logits, e = exp(z) (``_store_exp``), or nothing (a loss
