@@ -1,6 +1,6 @@
 """A loss without gradients (loss_only.py, logits_triton.tile_stats, exp_rows_triton.loss_rows): against
-float64 for every option it takes, to float32 precision (it reads no rounded logits), the calls that keep
-the chunked path, launches split by the statistics budget, and NaN for an unchecked bad target.
+float64 for every option it takes (z-loss and softcap too), to float32 precision (it reads no rounded
+logits), the calls that keep the chunked path, launches split by the statistics budget, and NaN for an unchecked bad target.
 
 On the CPU it runs under TRITON_INTERPRET=1 with small tiles and in float16 (the interpreter reads bf16
 through tensor descriptors wrongly); on a Hopper GPU in bf16 at real sizes."""
@@ -51,7 +51,11 @@ def loss_and_reference(x, w, b, t, cw, mode=None, **opts):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("opts", ROW_PATH_OPTIONS)
+@pytest.mark.parametrize("opts", ROW_PATH_OPTIONS + [
+    {"z_loss": 1e-3},
+    {"softcap": 5.0},
+    {"softcap": 3.0, "temperature": 1.3, "z_loss": 1e-2, "weight_cls": True, "bias": True, "ignore": 0.2},
+])
 def test_matches_float64(launches, reduction, opts):
     inputs, opts = split_options(opts)
     x, w, b, t, cw = case(**inputs)
@@ -76,8 +80,8 @@ def test_statistics_take_no_more_than_a_chunk_of_logits(launches, monkeypatch, m
     assert rel_err(loss, ref) <= FLOAT32_TOL
 
 
-@pytest.mark.parametrize("opts", [{"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0}])
-def test_options_it_does_not_take_keep_the_chunked_path(launches, opts):
+@pytest.mark.parametrize("opts", [{"label_smoothing": 0.1}, {"label_smoothing": 0.1, "softcap": 5.0}])
+def test_label_smoothing_keeps_the_chunked_path(launches, opts):
     loss, ref = loss_and_reference(*case(), **opts)
     assert launches == [] and rel_err(loss, ref) <= TOL[DTYPE]
 
@@ -114,7 +118,8 @@ def test_bad_target_raises_when_checked(launches):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(8192, 4096, 128256), (4096, 2048, 32000)])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_gpu_real_shapes(shape, autocast, monkeypatch):
+@pytest.mark.parametrize("opts", [{}, {"softcap": 30.0, "z_loss": 1e-4}])
+def test_gpu_real_shapes(shape, autocast, opts, monkeypatch):
     """bf16 (or float32 leaves under bf16 autocast) at real sizes with flce's own thresholds: the path
     runs and its loss sits at float32 precision, while the chunked path's carries the logits' rounding."""
     if not ON_HOPPER:
@@ -123,7 +128,7 @@ def test_gpu_real_shapes(shape, autocast, monkeypatch):
     monkeypatch.setattr(loss_only, "run", lambda *a, **k: rows.append(a[0].shape[0]) or run(*a, **k))
     x, w, b, t, cw = case(*shape, ignore=0.1, dtype=torch.float32 if autocast else torch.bfloat16)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        loss = flce.linear_cross_entropy(x, w, t, reduction="none")
-    ref, _ = reference_loss(x.bfloat16(), w.bfloat16(), t, reduction="none")
+        loss = flce.linear_cross_entropy(x, w, t, reduction="none", **opts)
+    ref, _ = reference_loss(x.bfloat16(), w.bfloat16(), t, reduction="none", **opts)
     assert rows == [int((t != -100).sum())]  # the target check drops ignored rows before the GEMM
     assert rel_err(loss, ref) <= FLOAT32_TOL

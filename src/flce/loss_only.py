@@ -3,11 +3,12 @@
 On Hopper the logits GEMM keeps only its per-row tile statistics (``logits_triton.tile_stats``: max and
 sum of exp(z - max) of each 256-column tile, from the unrounded float32 logits) and one row kernel
 (``exp_rows_triton.loss_rows``) finishes each row: lse from the statistics, z at the target as a float32 dot
-of x with the target's weight row, loss = w_y (lse - z_y). Against the chunked path (each chunk's logits
+of x with the target's weight row, loss = w_y (lse - z_y) (+ z_loss lse^2; softcap and temperature on
+both as the GEMM's epilogue applies them). Against the chunked path (each chunk's logits
 stored, then read back by the CE kernel) this saves a write and a read of every logit (2 x 2.1 GB at
 8192 x 128256 in bf16) and runs one GEMM over all rows instead of one per 2048-row chunk; the loss is that
 of the unrounded logits. Options that need more of each row than its lse and target logit (label
-smoothing, z-loss, softcap, accuracy) keep the chunked path.
+smoothing, the statistics' accuracy) keep the chunked path.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from .options import LossOptions
 
 def wanted(opts: LossOptions, want_correct: bool, backend: str, device: torch.device) -> bool:
     """Whether the options allow this path: the Triton backend on Hopper, and nothing needed of a row but
-    its lse and target logit. Then ``supported`` decides on the operands in the compute dtype."""
-    if backend != "triton" or want_correct or opts.label_smoothing > 0.0 or opts.z_loss > 0.0:
-        return False
-    if opts.softcap is not None:
+    its lse and target logit (label smoothing needs every logit's sum; statistics want the argmax). Then
+    ``supported`` decides on the operands in the compute dtype."""
+    if backend != "triton" or want_correct or opts.label_smoothing > 0.0:
         return False
     from .kernels import logits_triton
 

@@ -23,6 +23,7 @@ import triton.language as tl
 from ..options import LossOptions
 from .ce_triton import _finish_mean, _sm_count, _tile_stats_lse
 from .logits_triton import EXP_LOW
+from .softcap_triton import capped
 
 
 @triton.jit
@@ -43,12 +44,13 @@ def _lowest(max_ptr, n_tiles, BLOCK_T: tl.constexpr):
 
 @triton.jit
 def _row_loss(row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr, tile_max_ptr,
-              tile_sum_ptr, loss_ptr, lse_ptr, V, H, n_tiles, ignore_index, inv_temp, HAS_BIAS: tl.constexpr,
-              HAS_WEIGHT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One row's loss w_y (lse - z_y) and lse written (0 on an ignored row, NaN loss on an unchecked target
-    outside [0, V)), from the GEMM's tile statistics and z_y as a float32 dot of x with the target's weight
-    row (plus its bias), over T. Returns the target (clamped into [0, V)), whether the row counts, whether
-    its target is bad, lse, z_y and w_y."""
+              tile_sum_ptr, loss_ptr, lse_ptr, V, H, n_tiles, ignore_index, inv_temp, z_loss, softcap,
+              HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One row's loss w_y (lse - z_y) (+ z_loss lse^2) and lse written (0 on an ignored row, NaN loss on an
+    unchecked target outside [0, V)), from the GEMM's tile statistics and z_y from a float32 dot of x with
+    the target's weight row (plus its bias), over T, softcapped. Returns the target (clamped into [0, V)),
+    whether the row counts, whether its target is bad, lse, z_y and w_y."""
     y = tl.load(target_ptr + row)
     valid = y != ignore_index
     bad = valid & ((y < 0) | (y >= V))  # an unchecked bad target: NaN loss and gradient, never a number
@@ -62,28 +64,32 @@ def _row_loss(row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class
     z_y = tl.sum(dot, 0)
     if HAS_BIAS:
         z_y += tl.load(bias_ptr + y).to(tl.float32)
-    z_y = z_y * inv_temp
+    z_y = capped(z_y, inv_temp, softcap, HAS_SOFTCAP)
     w_y = tl.load(class_weight_ptr + y).to(tl.float32) if HAS_WEIGHT else 1.0
-    tl.store(loss_ptr + row, tl.where(valid, w_y * (lse - z_y) + tl.where(bad, float("nan"), 0.0), 0.0))
+    loss = w_y * (lse - z_y)
+    if HAS_Z_LOSS:
+        loss += z_loss * lse * lse
+    tl.store(loss_ptr + row, tl.where(valid, loss + tl.where(bad, float("nan"), 0.0), 0.0))
     tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
     return y, valid, bad, lse, z_y, w_y
 
 
 @triton.jit
 def _loss_rows_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr, tile_max_ptr,
-                      tile_sum_ptr, loss_ptr, lse_ptr, n_rows, V, H, n_tiles, ignore_index, inv_temp,
-                      HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+                      tile_sum_ptr, loss_ptr, lse_ptr, n_rows, V, H, n_tiles, ignore_index, inv_temp, z_loss, softcap,
+                      HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+                      HAS_SOFTCAP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         _row_loss(tl.cast(row_i, tl.int64), x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr,
-                  tile_max_ptr, tile_sum_ptr, loss_ptr, lse_ptr, V, H, n_tiles, ignore_index, inv_temp, HAS_BIAS,
-                  HAS_WEIGHT, BLOCK_H, BLOCK_T)
+                  tile_max_ptr, tile_sum_ptr, loss_ptr, lse_ptr, V, H, n_tiles, ignore_index, inv_temp, z_loss, softcap,
+                  HAS_BIAS, HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP, BLOCK_H, BLOCK_T)
 
 
 def loss_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
               class_weight: torch.Tensor | None, tile_stats: tuple[torch.Tensor, torch.Tensor], loss: torch.Tensor,
               lse: torch.Tensor, opts: LossOptions) -> None:
     """Each row's loss and lse (n,) float32 from the logits GEMM's (n, T) tile statistics alone (no logits
-    stored: ``loss_only.py``), as ``exp_rows`` computes them. x (n, H), weight (V, H) with unit-stride rows,
+    stored: ``loss_only.py``), as ``exp_rows`` computes them, with z-loss and softcap (the statistics' own). x (n, H), weight (V, H) with unit-stride rows,
     bias (V,) or None, target (n,) int64, class_weight (V,) or None."""
     n, hidden = x.shape
     assert x.stride(1) == 1 and weight.stride(1) == 1
@@ -91,8 +97,9 @@ def loss_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     _loss_rows_kernel[(min(n, 16 * _sm_count(x.device.index)),)](
         x, x.stride(0), weight, weight.stride(0), bias if bias is not None else loss, target,
         class_weight if class_weight is not None else loss, tile_max, tile_sum, loss, lse, n, weight.shape[0], hidden,
-        tile_max.shape[1], opts.ignore_index, 1.0 / opts.temperature, HAS_BIAS=bias is not None,
-        HAS_WEIGHT=class_weight is not None, **_row_blocks(hidden, tile_max.shape[1]), num_warps=4,
+        tile_max.shape[1], opts.ignore_index, 1.0 / opts.temperature, float(opts.z_loss), float(opts.softcap or 1.0),
+        HAS_BIAS=bias is not None, HAS_WEIGHT=class_weight is not None, HAS_Z_LOSS=opts.z_loss > 0.0,
+        HAS_SOFTCAP=opts.softcap is not None, **_row_blocks(hidden, tile_max.shape[1]), num_warps=4,
     )
 
 
@@ -113,8 +120,8 @@ def _exp_rows_kernel(e_ptr, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_p
         row = tl.cast(row_i, tl.int64)
         y, valid, bad, lse, z_y, w_y = _row_loss(row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr,
                                                  class_weight_ptr, tile_max_ptr, tile_sum_ptr, loss_ptr, lse_ptr,
-                                                 V, H, n_tiles, ignore_index, inv_temp, HAS_BIAS, HAS_WEIGHT,
-                                                 BLOCK_H, BLOCK_T)
+                                                 V, H, n_tiles, ignore_index, inv_temp, 0.0, 1.0, HAS_BIAS,
+                                                 HAS_WEIGHT, False, False, BLOCK_H, BLOCK_T)
         poison = tl.where(bad, float("nan"), 0.0)
         if MEAN_BY_COUNT:
             n_valid += valid.to(tl.int64)
