@@ -36,6 +36,36 @@ def backend(request):
     return request.param
 
 
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+# The dtype the Hopper GEMM's tests run in: bf16 on Hopper, float16 under the interpreter (which reads bf16
+# through tensor descriptors wrongly).
+HOPPER_DTYPE = torch.bfloat16 if ON_HOPPER else torch.float16
+
+
+@pytest.fixture
+def hopper_gemm(monkeypatch):
+    """Let flce's Hopper GEMM (``kernels.logits_triton``) take small shapes: on the CPU under the
+    interpreter with small tiles, on a Hopper GPU with its own. Returns the module."""
+    if not triton_available(DEVICE):
+        pytest.skip("triton cannot run here")
+    lt = pytest.importorskip("flce.kernels.logits_triton")
+    monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
+    monkeypatch.setattr(lt, "MIN_ROWS", 8)
+    if not ON_HOPPER:
+        monkeypatch.setattr(lt, "TILE", lt.TileConfig(32, 64, 16, 2, 4, 4))
+    return lt
+
+
+@pytest.fixture
+def loss_only_runs(hopper_gemm, monkeypatch):
+    """The rows of every call that takes the statistics-only path (``loss_only.run``), on small shapes."""
+    from flce import loss_only
+
+    rows, run = [], loss_only.run
+    monkeypatch.setattr(loss_only, "run", lambda *a, **k: rows.append(a[0].shape[0]) or run(*a, **k))
+    return rows
+
+
 @pytest.fixture
 def device():
     return DEVICE

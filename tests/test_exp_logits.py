@@ -14,15 +14,14 @@ import torch
 from reference import ROW_PATH_OPTIONS, TOL, assert_close, reference_loss, row_case, split_options
 
 import flce
+from conftest import DEVICE, HOPPER_DTYPE, ON_HOPPER
 from flce import exp_logits
 from flce.kernels import triton_available
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="triton cannot run here")
 
 lt = pytest.importorskip("flce.kernels.logits_triton")
-ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-DTYPE = torch.bfloat16 if ON_HOPPER else torch.float16
+DTYPE = HOPPER_DTYPE
 FP16_WINDOW = (-4.0, 8.0)  # exp(8) * V stays far below float16's 65504; exp(-lse) / rows above its normals
 
 
@@ -36,16 +35,12 @@ def small_products(monkeypatch):
 
 
 @pytest.fixture
-def path(monkeypatch, small_products):
+def path(monkeypatch, small_products, hopper_gemm):
     """Let the path run on small shapes (and under the interpreter in float16); record the calls that
     take it and those that fall back in backward."""
-    monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
-    monkeypatch.setattr(lt, "MIN_ROWS", 8)
     monkeypatch.setattr(exp_logits, "MIN_ROWS", 8)
     monkeypatch.setattr(exp_logits, "WINDOWS", {**exp_logits.WINDOWS, torch.float16: FP16_WINDOW})
     monkeypatch.setattr(exp_logits, "_cool_down", {})
-    if not ON_HOPPER:
-        monkeypatch.setattr(lt, "TILE", lt.TileConfig(32, 64, 16, 2, 4, 4))
     seen = SimpleNamespace(taken=[], fell_back=[], pending=[], chunks=[])
     forward, standard, chunk = exp_logits.forward_chunk, flce.function._redo_standard, exp_logits.input_grad_chunk
 

@@ -6,7 +6,7 @@ import torch
 from reference import TOL, assert_close, reference_logits, rel_err
 
 import flce
-from conftest import DEVICE
+from conftest import DEVICE, HOPPER_DTYPE
 from flce import log_probs
 from flce.kernels import token_stats, token_stats_triton
 
@@ -207,6 +207,45 @@ def test_no_grad_and_frozen_weight(backend):
     want.log_probs.sum().backward()
     assert w.grad is None
     assert_close(x.grad, x64.grad, TOL[torch.float32], "grad_input")
+
+
+@pytest.mark.parametrize("opts", [{}, {"temperature": 0.7, "softcap": 4.0}, {"bias": True, "ignore": 0.3}])
+def test_log_probs_alone_without_gradients_skip_the_logits(loss_only_runs, opts):
+    """A reference model's log-probs (no gradients, log_probs alone) come from the loss's statistics-only
+    path on Hopper: float32 precision against float64, and +0.0 at ignored tokens."""
+    opts = dict(opts)
+    x, w, b, t = make((40,), 32, 120, HOPPER_DTYPE, bias=opts.pop("bias", False), ignore=opts.pop("ignore", 0.0))
+    with torch.no_grad():
+        got = flce.linear_log_probs(x, w, t, linear_bias=b, outputs=("log_probs",), backend="triton", **opts)
+    want, _, _ = reference_stats(x, w, t, b, **opts)
+    valid = t != -100
+    assert loss_only_runs == [int(valid.sum())] and got.entropy is None
+    assert rel_err(got.log_probs, want.log_probs) <= 1e-4
+    assert not torch.signbit(got.log_probs[~valid]).any()
+
+
+@pytest.mark.gpu
+def test_gpu_log_probs_alone_real_shape(loss_only_runs):
+    """bf16 at 4096 x 4096 x 128256 with flce's own thresholds: the path runs, at float32 precision."""
+    if HOPPER_DTYPE != torch.bfloat16:
+        pytest.skip("the path needs Hopper")
+    x, w, b, t = make((4096,), 4096, 128256, torch.bfloat16, ignore=0.1)
+    with torch.no_grad():
+        got = flce.linear_log_probs(x, w, t, outputs=("log_probs",), temperature=0.9)
+    want, _, _ = reference_stats(x, w, t, temperature=0.9)
+    assert loss_only_runs == [int((t != -100).sum())]
+    assert rel_err(got.log_probs, want.log_probs) <= 1e-4
+
+
+@pytest.mark.parametrize("case", ["entropy too", "gradients"])
+def test_other_log_prob_calls_keep_their_path(loss_only_runs, case):
+    x, w, b, t = make((40,), 32, 120, HOPPER_DTYPE)
+    outputs = ("log_probs", "entropy") if case == "entropy too" else ("log_probs",)
+    with torch.set_grad_enabled(case == "gradients"):
+        got = flce.linear_log_probs(x, w, t, outputs=outputs, backend="triton")
+    want, _, _ = reference_stats(x, w, t)
+    assert loss_only_runs == []
+    assert rel_err(got.log_probs, want.log_probs) <= TOL[HOPPER_DTYPE]
 
 
 def test_matches_cross_entropy_loss(backend):

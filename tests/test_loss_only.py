@@ -1,6 +1,6 @@
 """A loss without gradients (loss_only.py, logits_triton.tile_stats, exp_rows_triton.loss_rows): against
 float64 for every option it takes (z-loss and softcap too), to float32 precision (it reads no rounded
-logits), the calls that keep the chunked path, launches split by the statistics budget, and NaN for an unchecked bad target.
+logits), the calls that keep the chunked path, loss_only_runs split by the statistics budget, and NaN for an unchecked bad target.
 
 On the CPU it runs under TRITON_INTERPRET=1 with small tiles and in float16 (the interpreter reads bf16
 through tensor descriptors wrongly); on a Hopper GPU in bf16 at real sizes."""
@@ -10,30 +10,15 @@ import torch
 from reference import ROW_PATH_OPTIONS, TOL, reference_loss, rel_err, row_case, split_options
 
 import flce
-from flce import loss_only
+from conftest import DEVICE, HOPPER_DTYPE, ON_HOPPER
 from flce.kernels import triton_available
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="triton cannot run here")
 
 lt = pytest.importorskip("flce.kernels.logits_triton")
-ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-DTYPE = torch.bfloat16 if ON_HOPPER else torch.float16
+DTYPE = HOPPER_DTYPE
 # Float32 arithmetic on the unrounded logits: far inside the 16-bit tolerance the chunked path needs.
 FLOAT32_TOL = 1e-4
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """Let the path run on small shapes (under the interpreter with small tiles) and record the rows of
-    every call that takes it."""
-    monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
-    monkeypatch.setattr(lt, "MIN_ROWS", 8)
-    if not ON_HOPPER:
-        monkeypatch.setattr(lt, "TILE", lt.TileConfig(32, 64, 16, 2, 4, 4))
-    rows, run = [], loss_only.run
-    monkeypatch.setattr(loss_only, "run", lambda *a, **k: rows.append(a[0].shape[0]) or run(*a, **k))
-    return rows
 
 
 def case(*args, dtype=DTYPE, **kwargs):
@@ -56,17 +41,17 @@ def loss_and_reference(x, w, b, t, cw, mode=None, **opts):
     {"softcap": 5.0},
     {"softcap": 3.0, "temperature": 1.3, "z_loss": 1e-2, "weight_cls": True, "bias": True, "ignore": 0.2},
 ])
-def test_matches_float64(launches, reduction, opts):
+def test_matches_float64(loss_only_runs, reduction, opts):
     inputs, opts = split_options(opts)
     x, w, b, t, cw = case(**inputs)
     loss, ref = loss_and_reference(x, w, b, t, cw, reduction=reduction, **opts)
-    assert launches == [x.shape[0]]
+    assert loss_only_runs == [x.shape[0]]
     assert loss.dtype == torch.float32 and loss.shape == ref.shape
     assert rel_err(loss, ref) <= FLOAT32_TOL
 
 
 @pytest.mark.parametrize("mode", [{"chunk_size": 1}, {"low_memory": True, "chunk_size": 1}])
-def test_statistics_take_no_more_than_a_chunk_of_logits(launches, monkeypatch, mode):
+def test_statistics_take_no_more_than_a_chunk_of_logits(loss_only_runs, monkeypatch, mode):
     """The statistics of one launch fit the chunk plan's logits buffer (here one row of 120 logits: 15 rows
     of statistics with the interpreter's 2 tiles a row, 30 with Hopper's 1), the low-memory mode's included."""
     gemms, tile_stats = [], lt.tile_stats
@@ -75,40 +60,40 @@ def test_statistics_take_no_more_than_a_chunk_of_logits(launches, monkeypatch, m
     loss, ref = loss_and_reference(x, w, b, t, cw, mode, reduction="none")
     tiles = lt.num_tiles(120)
     per_launch = max(120 * x.element_size() // (2 * 4 * tiles), lt.MIN_ROWS)
-    assert launches == [40] and gemms == [min(per_launch, 40 - start) for start in range(0, 40, per_launch)]
+    assert loss_only_runs == [40] and gemms == [min(per_launch, 40 - start) for start in range(0, 40, per_launch)]
     assert len(gemms) > 1
     assert rel_err(loss, ref) <= FLOAT32_TOL
 
 
 @pytest.mark.parametrize("opts", [{"label_smoothing": 0.1}, {"label_smoothing": 0.1, "softcap": 5.0}])
-def test_label_smoothing_keeps_the_chunked_path(launches, opts):
+def test_label_smoothing_keeps_the_chunked_path(loss_only_runs, opts):
     loss, ref = loss_and_reference(*case(), **opts)
-    assert launches == [] and rel_err(loss, ref) <= TOL[DTYPE]
+    assert loss_only_runs == [] and rel_err(loss, ref) <= TOL[DTYPE]
 
 
-def test_statistics_keep_the_chunked_path(launches):
+def test_statistics_keep_the_chunked_path(loss_only_runs):
     x, w, b, t, cw = case()
     with torch.no_grad():
         loss, stats = flce.linear_cross_entropy(x, w, t, backend="triton", return_stats=True)
-    assert launches == [] and stats is not None and rel_err(loss, reference_loss(x, w, t)[0]) <= TOL[DTYPE]
+    assert loss_only_runs == [] and stats is not None and rel_err(loss, reference_loss(x, w, t)[0]) <= TOL[DTYPE]
 
 
-def test_training_keeps_its_path(launches):
+def test_training_keeps_its_path(loss_only_runs):
     x, w, b, t, cw = case()
     loss = flce.linear_cross_entropy(x.requires_grad_(), w, t, backend="triton")
     loss.backward()
-    assert launches == [] and x.grad is not None
+    assert loss_only_runs == [] and x.grad is not None
 
 
-def test_unchecked_bad_target_gives_nan_not_a_number(launches):
+def test_unchecked_bad_target_gives_nan_not_a_number(loss_only_runs):
     x, w, b, t, cw = case()
     t[5] = 120
     with torch.no_grad():
         rows = flce.linear_cross_entropy(x, w, t, reduction="none", backend="triton", validate_target=False)
-    assert launches == [40] and torch.isnan(rows[5]) and torch.isfinite(rows[torch.arange(40) != 5]).all()
+    assert loss_only_runs == [40] and torch.isnan(rows[5]) and torch.isfinite(rows[torch.arange(40) != 5]).all()
 
 
-def test_bad_target_raises_when_checked(launches):
+def test_bad_target_raises_when_checked(loss_only_runs):
     x, w, b, t, cw = case()
     t[5] = -7
     with pytest.raises(ValueError, match="target"), torch.no_grad():
@@ -119,16 +104,14 @@ def test_bad_target_raises_when_checked(launches):
 @pytest.mark.parametrize("shape", [(8192, 4096, 128256), (4096, 2048, 32000)])
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("opts", [{}, {"softcap": 30.0, "z_loss": 1e-4}])
-def test_gpu_real_shapes(shape, autocast, opts, monkeypatch):
+def test_gpu_real_shapes(shape, autocast, opts, loss_only_runs):
     """bf16 (or float32 leaves under bf16 autocast) at real sizes with flce's own thresholds: the path
     runs and its loss sits at float32 precision, while the chunked path's carries the logits' rounding."""
     if not ON_HOPPER:
         pytest.skip("the path needs Hopper")
-    rows, run = [], loss_only.run
-    monkeypatch.setattr(loss_only, "run", lambda *a, **k: rows.append(a[0].shape[0]) or run(*a, **k))
     x, w, b, t, cw = case(*shape, ignore=0.1, dtype=torch.float32 if autocast else torch.bfloat16)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         loss = flce.linear_cross_entropy(x, w, t, reduction="none", **opts)
     ref, _ = reference_loss(x.bfloat16(), w.bfloat16(), t, reduction="none", **opts)
-    assert rows == [int((t != -100).sum())]  # the target check drops ignored rows before the GEMM
+    assert loss_only_runs == [int((t != -100).sum())]  # the target check drops ignored rows first
     assert rel_err(loss, ref) <= FLOAT32_TOL

@@ -5,7 +5,8 @@ for each token, the log-probability of its target and, on request, the entropy o
 three diagnostics. Same logit model as :func:`flce.linear_cross_entropy`.
 
 Forward, chunk by chunk: logits = x_c @ W^T (+ b) into one reused buffer, then one read of them by the
-statistics kernel (``kernels.token_stats``). Backward gets any per-token grad_output of the log-probs
+statistics kernel (``kernels.token_stats``); log-probs alone without gradients skip the logits on Hopper
+(``loss_only``). Backward gets any per-token grad_output of the log-probs
 and of the entropy, so it recomputes each chunk's logits, overwrites them with their gradient and runs
 the two gradient GEMMs (grad_weight accumulated in float32 across chunks, see ``planner``). A mean
 negative log-likelihood (uniform log-prob grad_output) gets its gradients from forward instead, once
@@ -21,6 +22,7 @@ from typing import Callable, Iterable, NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import loss_only
 from .checks import check_tensors, compute_dtype, raise_bad_targets
 from .distributed import is_dtensor
 from .function import ChunkGrads, gradient_gemms, scale_grads
@@ -133,7 +135,10 @@ def token_stats(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         if n_valid < n:
             rows = (t != spec.tf.ignore_index).nonzero_static(size=n_valid).squeeze(1)
             x, t = x.index_select(0, rows), t.index_select(0, rows)
-    fields = LinearLogProbsFunction.apply(x, weight, bias, t, spec)
+    grad = torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in (x, weight, bias))
+    fields = None if grad else _log_probs_alone(x, weight, bias, t, spec)
+    if fields is None:
+        fields = LinearLogProbsFunction.apply(x, weight, bias, t, spec)
     return TokenStats(*(None if f is None else _scatter(f, rows, n).reshape(target.shape) for f in fields))
 
 
@@ -184,6 +189,29 @@ class LinearLogProbsFunction(torch.autograd.Function):
                 grads = chunk_loop(x, weight, bias, target, spec, None, RowGrad(lse, entropy, g_lp, g_ent), needs)
             out = (grads.input, _as(grads.weight, weight), _as(grads.bias, bias))
         return (*out, None, None)
+
+
+def _log_probs_alone(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                     spec: LogProbsSpec) -> tuple | None:
+    """Log-probs alone without gradients (a reference model's, in GRPO or DPO) from the loss's
+    statistics-only path on Hopper (``loss_only``: the GEMM keeps its tile statistics, no logits are
+    written): log_probs = -(lse - z_y), from the unrounded logits. Returns the five fields, or None where
+    that path does not apply."""
+    n, vocab = x.shape[0], weight.shape[0]
+    if spec.want != {"log_probs"} or n == 0 or vocab == 0:
+        return None
+    tf = spec.tf
+    opts = LossOptions(ignore_index=tf.ignore_index, softcap=tf.softcap, temperature=1.0 / tf.inv_temp,
+                       reduction="none")
+    if not loss_only.wanted(opts, False, spec.backend, x.device):
+        return None
+    x_c, w = _in_dtype(x, spec.compute_dtype), _in_dtype(weight, spec.compute_dtype)
+    if not loss_only.supported(x_c, w, bias):
+        return None
+    log_probs, lse = torch.empty(2, n, dtype=torch.float32, device=x.device)
+    rows = plan_chunks(n, vocab, spec.compute_dtype, weight.dtype, chunk_size=spec.chunk_size).rows
+    loss_only.run(x_c, w, bias, target, None, opts, log_probs, lse, budget=rows * vocab * spec.compute_dtype.itemsize)
+    return (log_probs.neg_().add_(0.0), None, None, None, None)  # -loss, +0.0 (not -0.0) on ignored rows
 
 
 class RowGrad(NamedTuple):
