@@ -153,12 +153,10 @@ def chunk_loop(
             grads.weight.zero_()
         return parts, grads
 
-    if not grad and loss_only.wanted(opts, want_correct, backend, dev):
-        x_all = _as_dtype(x, compute_dtype)
-        if loss_only.supported(x_all, w, bias):
-            loss_only.run(x_all, w, bias, target, class_weight, opts, parts.loss, parts.lse,
-                          budget=plan.rows * vocab * compute_dtype.itemsize)  # no more than a chunk's logits
-            return parts, grads
+    if not grad and not want_correct and loss_only.try_run(x, w, bias, target, class_weight, opts, parts.loss,
+                                                           parts.lse, compute_dtype=compute_dtype, backend=backend,
+                                                           chunk_rows=plan.rows):
+        return parts, grads
     # One chunk: its GEMM allocates the logits (small batches are launch-bound: one host call fewer).
     buffer = torch.empty(plan.rows, vocab, dtype=compute_dtype, device=dev) if plan.num_chunks > 1 else None
     row_scale = grad and grad_scale.dim() == 1

@@ -198,19 +198,16 @@ def _log_probs_alone(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     written): log_probs = -(lse - z_y), from the unrounded logits. Returns the five fields, or None where
     that path does not apply."""
     n, vocab = x.shape[0], weight.shape[0]
-    if spec.want != {"log_probs"} or n == 0 or vocab == 0:
+    if spec.want != {"log_probs"}:
         return None
     tf = spec.tf
     opts = LossOptions(ignore_index=tf.ignore_index, softcap=tf.softcap, temperature=1.0 / tf.inv_temp,
                        reduction="none")
-    if not loss_only.wanted(opts, False, spec.backend, x.device):
-        return None
-    x_c, w = _in_dtype(x, spec.compute_dtype), _in_dtype(weight, spec.compute_dtype)
-    if not loss_only.supported(x_c, w, bias):
-        return None
     log_probs, lse = torch.empty(2, n, dtype=torch.float32, device=x.device)
     rows = plan_chunks(n, vocab, spec.compute_dtype, weight.dtype, chunk_size=spec.chunk_size).rows
-    loss_only.run(x_c, w, bias, target, None, opts, log_probs, lse, budget=rows * vocab * spec.compute_dtype.itemsize)
+    if not loss_only.try_run(x, weight, bias, target, None, opts, log_probs, lse, compute_dtype=spec.compute_dtype,
+                             backend=spec.backend, chunk_rows=rows):
+        return None
     return (log_probs.neg_().add_(0.0), None, None, None, None)  # -loss, +0.0 (not -0.0) on ignored rows
 
 

@@ -17,23 +17,27 @@ import torch
 
 from .options import LossOptions
 
-def wanted(opts: LossOptions, want_correct: bool, backend: str, device: torch.device) -> bool:
-    """Whether the options allow this path: the Triton backend on Hopper, and nothing needed of a row but
-    its lse and target logit (label smoothing needs every logit's sum; statistics want the argmax). Then
-    ``supported`` decides on the operands in the compute dtype."""
-    if backend != "triton" or want_correct or opts.label_smoothing > 0.0:
+
+def try_run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+            class_weight: torch.Tensor | None, opts: LossOptions, loss: torch.Tensor, lse: torch.Tensor, *,
+            compute_dtype: torch.dtype, backend: str, chunk_rows: int) -> bool:
+    """``run`` where this path applies, and whether it did: the Triton backend on Hopper, no label smoothing
+    (it needs every logit's sum), and the Hopper GEMM's conditions (``logits_triton.supported``: 16-bit
+    floats, TMA-able layouts, enough rows) for x and w cast to ``compute_dtype`` (cast only then). A
+    launch's statistics take no more memory than ``chunk_rows`` rows of logits (the caller's chunk plan).
+    Shapes as in ``run``."""
+    n, vocab = x.shape[0], w.shape[0]
+    if backend != "triton" or opts.label_smoothing > 0.0 or n == 0 or vocab == 0:
         return False
     from .kernels import logits_triton
 
-    return logits_triton.hopper(device)
-
-
-def supported(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """The Hopper GEMM's conditions (``logits_triton.supported``: 16-bit floats, TMA-able layouts, enough
-    rows) for x (n, H) and w (V, H) in the compute dtype."""
-    from .kernels import logits_triton
-
-    return logits_triton.supported(x, w, bias)
+    if not logits_triton.hopper(x.device):
+        return False
+    x, w = (t if t.dtype == compute_dtype else t.to(compute_dtype) for t in (x, w))
+    if not logits_triton.supported(x, w, bias):
+        return False
+    run(x, w, bias, target, class_weight, opts, loss, lse, budget=chunk_rows * vocab * compute_dtype.itemsize)
+    return True
 
 
 def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
@@ -43,7 +47,7 @@ def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: tor
     [0, V)). x (n, H) and w (V, H) in the compute dtype, bias (V,) or None, target (n,) int64, class_weight
     (V,) float32 or None; ``budget``: bytes the tile statistics of one launch may take (the chunk plan's
     logits buffer: at 128256 columns a 512 MiB buffer holds 134k rows' statistics, so one launch in
-    practice; the low-memory mode's 64 MiB, 16k rows). Check ``wanted`` and ``supported`` first."""
+    practice; the low-memory mode's 64 MiB, 16k rows). ``try_run`` checks that it applies."""
     from .kernels import logits_triton
     from .kernels.exp_rows_triton import loss_rows
 

@@ -89,8 +89,9 @@ def loss_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
               class_weight: torch.Tensor | None, tile_stats: tuple[torch.Tensor, torch.Tensor], loss: torch.Tensor,
               lse: torch.Tensor, opts: LossOptions) -> None:
     """Each row's loss and lse (n,) float32 from the logits GEMM's (n, T) tile statistics alone (no logits
-    stored: ``loss_only.py``), as ``exp_rows`` computes them, with z-loss and softcap (the statistics' own). x (n, H), weight (V, H) with unit-stride rows,
-    bias (V,) or None, target (n,) int64, class_weight (V,) or None."""
+    stored: ``loss_only.py``), as ``exp_rows`` computes them, with z-loss and softcap (the statistics' own).
+    x (n, H), weight (V, H) with unit-stride rows, bias (V,) or None, target (n,) int64, class_weight (V,)
+    or None."""
     n, hidden = x.shape
     assert x.stride(1) == 1 and weight.stride(1) == 1
     tile_max, tile_sum = tile_stats
