@@ -9,11 +9,14 @@ as ``add_fused_lm_head``'s forward calls it, vocabulary tiles of 32768); ``flce`
 ``flce.patches.trl.TrlHeadOnFlce`` (what routed TRL calls); ``floor`` is three cuBLAS GEMMs of the same
 shapes (logits, grad_input, grad_weight), timed in the same run. Losses: ``sft`` is -sum(log_probs) / n
 with TRL SFT's outputs ("log_probs", "entropy", "is_top1"); ``grpo`` is a per-token-weighted policy term
-plus an entropy bonus, -(a * log_probs + 0.01 * entropy).sum() / n with ("log_probs", "entropy").
-Columns: median_ms, x_floor, peak_mb (above the inputs, with the returned gradients), and the
-gradients' relative L2 errors: ``*_vs_other`` between the two methods, ``*_vs_fp32`` against a float32
-reference computed chunk by chunk, next to ``rounding`` (the same error of the reference rounded to
-the inputs' dtype). Writes trl_head.json and trl_head.md under --out.
+plus an entropy bonus, -(a * log_probs + 0.01 * entropy).sum() / n with ("log_probs", "entropy");
+``ref`` is a reference model's log-probs (GRPO, DPO): ("log_probs",) under ``torch.no_grad()``, against
+a floor of the one logits GEMM, with a third method ``flce-chunked`` (flce's chunked log-prob loop, the
+route before the statistics-only path) to show what that path changes.
+Columns: median_ms, x_floor, peak_mb (above the inputs, with the returned gradients), and relative L2
+errors: ``*_vs_other`` between trl and flce, ``*_vs_fp32`` against a float32 reference computed chunk by
+chunk, next to ``rounding`` (the same error of the reference rounded to the inputs' dtype); for ``ref``
+the log-probs' errors stand in the grad_x columns. Writes trl_head.json and trl_head.md under --out.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch  # noqa: E402
 from common import NAN, environment, free_memory, markdown_table, measure_interleaved, write_json  # noqa: E402
 
 SHAPES = ["8192x4096x128256", "1024x4096x128256", "8192x2048x32000"]
-OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"), "grpo": ("log_probs", "entropy")}
+OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"), "grpo": ("log_probs", "entropy"), "ref": ("log_probs",)}
 ENTROPY_COEF = 0.01
 TRL_VOCAB_TILE = 32768  # add_fused_lm_head's chunk_size
 COLUMNS = ["loss", "method", "shape", "median_ms", "x_floor", "peak_mb", "grad_x_vs_other", "grad_w_vs_other",
@@ -41,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="folder for trl_head.json and trl_head.md")
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated BTxHxV")
-    p.add_argument("--losses", default="sft,grpo")
+    p.add_argument("--losses", default="sft,grpo,ref")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -60,14 +63,24 @@ def loss_of(kind: str, out, advantages: torch.Tensor) -> torch.Tensor:
 
 
 def method_fn(head, kind, x, w, t, advantages):
-    """fwd+bwd of one method; returns (grad_x, grad_w) (alive at the memory peak, as in training)."""
+    """fwd+bwd of one method; returns (grad_x, grad_w) (alive at the memory peak, as in training); for
+    ``ref`` the forward alone under no_grad, returning (log_probs,)."""
+    if kind == "ref":
+        @torch.no_grad()
+        def reference_model():
+            return head.apply(x, w, None, t, 1.0, TRL_VOCAB_TILE, None, 1.0, OUTPUTS[kind])[:1]
+        return reference_model
+
     def step():
         out = head.apply(x, w, None, t, 1.0, TRL_VOCAB_TILE, None, 1.0, OUTPUTS[kind])
         return torch.autograd.grad(loss_of(kind, out, advantages), (x, w))
     return step
 
 
-def floor_fn(x, w):
+def floor_fn(x, w, kind):
+    if kind == "ref":
+        return lambda: x @ w.t()
+
     def three_gemms():
         logits = x @ w.t()  # stands in for dlogits too: same shape and dtype
         return logits @ w, logits.t() @ x
@@ -75,7 +88,11 @@ def floor_fn(x, w):
 
 
 def reference_grads(kind, x, w, t, advantages, rows: int = 1024):
-    """(grad_x, grad_w) in float32 (no TF32), chunk by chunk through autograd on materialized logits."""
+    """(grad_x, grad_w) in float32 (no TF32), chunk by chunk through autograd on materialized logits; for
+    ``ref`` (log_probs,)."""
+    if kind == "ref":
+        return (torch.cat([torch.log_softmax(x[s:s + rows].float() @ w.float().t(), -1)
+                           .gather(1, t[s:s + rows, None])[:, 0] for s in range(0, x.shape[0], rows)]),)
     allow = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     x32 = x.detach().float().requires_grad_()
@@ -108,11 +125,12 @@ def run_cell(args, kind: str, shape: str, methods: dict) -> list[dict]:
     w = (torch.randn(vocab, hidden, device=args.device, generator=g) / hidden**0.5 * 2).to(dtype).requires_grad_()
     t = torch.randint(0, vocab, (n,), device=args.device, generator=g)
     advantages = torch.randn(n, device=args.device, generator=g)
-    fns = {"floor": floor_fn(x.detach(), w.detach())}
-    fns.update({name: method_fn(head, kind, x, w, t, advantages) for name, head in methods.items()})
-    measured = measure_interleaved(fns, args, flops=6.0 * n * hidden * vocab)
+    fns = {"floor": floor_fn(x.detach(), w.detach(), kind)}
+    heads = {**methods, "flce-chunked": chunked_log_probs(methods["flce"])} if kind == "ref" else methods
+    fns.update({name: method_fn(head, kind, x, w, t, advantages) for name, head in heads.items()})
+    measured = measure_interleaved(fns, args, flops=(2.0 if kind == "ref" else 6.0) * n * hidden * vocab)
     grads = {}
-    for name in methods:
+    for name in heads:
         if measured[name]["status"] == "ok":
             grads[name] = fns[name]()
             free_memory(args.device)
@@ -122,8 +140,8 @@ def run_cell(args, kind: str, shape: str, methods: dict) -> list[dict]:
         row = {"loss": kind, "method": name, "shape": shape, **{k: m[k] for k in ("median_ms", "peak_mb", "status")},
                "x_floor": m["median_ms"] / measured["floor"]["median_ms"]}
         if name in grads:
-            other = next((o for o in grads if o != name), None)
-            for i, axis in enumerate("xw"):
+            other = next((o for o in grads if o != name and o in methods), None)
+            for i, axis in enumerate("xw"[:len(grads[name])]):
                 row[f"grad_{axis}_vs_other"] = rel_err(grads[name][i], grads[other][i]) if other else NAN
                 if reference is not None:
                     row[f"grad_{axis}_vs_fp32"] = rel_err(grads[name][i], reference[i])
@@ -132,6 +150,22 @@ def run_cell(args, kind: str, shape: str, methods: dict) -> list[dict]:
     del grads, reference
     free_memory(args.device)
     return rows
+
+
+def chunked_log_probs(head):
+    """``head`` with flce's statistics-only log-prob path turned off for its calls (the chunked loop)."""
+    from flce import log_probs
+
+    class Chunked:
+        @staticmethod
+        def apply(*args):
+            alone = log_probs._log_probs_alone
+            log_probs._log_probs_alone = lambda *a: None
+            try:
+                return head.apply(*args)
+            finally:
+                log_probs._log_probs_alone = alone
+    return Chunked
 
 
 def main(argv=None) -> int:
@@ -144,8 +178,9 @@ def main(argv=None) -> int:
     rows = []
     for shape in args.shapes.split(","):
         for kind in args.losses.split(","):
-            rows += run_cell(args, kind, shape, methods)
-            print(markdown_table(rows[-3:], COLUMNS), flush=True)
+            cell = run_cell(args, kind, shape, methods)
+            rows += cell
+            print(markdown_table(cell, COLUMNS), flush=True)
     import trl
 
     meta = {**environment(args.device), "trl": trl.__version__, "dtype": args.dtype, "reps": args.reps,

@@ -232,3 +232,23 @@ def test_torch_twin_infinite_logits():
     buf, loss, lse = logits.clone(), torch.empty(3), torch.empty(3)
     ce_chunk_torch(buf, torch.tensor([1, 1, 1]), loss, lse, None, None, None, torch.ones(()), LossOptions())
     assert torch.isnan(loss[0]) and torch.isnan(loss[1]) and lse[1] == float("-inf") and torch.isfinite(loss[2])
+
+
+@pytest.mark.parametrize("hip, capability, expected", [(None, (9, 0), 9), (None, (8, 0), 8), ("6.2", (9, 4), 0)])
+def test_nvidia_major_names_no_nvidia_generation_on_rocm(hip, capability, expected, monkeypatch):
+    """A ROCm build reports its gfx version through get_device_capability (MI300: 9.4): the Hopper paths
+    (TMA logits GEMM, CUTLASS grouped GEMMs) must not take it for sm90."""
+    from flce.kernels import _capability_major, experts_dispatch, experts_torch, logits_triton, nvidia_major
+
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    _capability_major.cache_clear()
+    try:
+        gpu = torch.device("cuda", 0)
+        assert nvidia_major(gpu) == expected
+        assert logits_triton.hopper(gpu) == (expected >= 9)
+        cutlass = experts_dispatch._grouped_mm_ok(gpu, torch.bfloat16, ())
+        assert cutlass == (expected == 9 and experts_torch.has_grouped_mm())
+        assert nvidia_major(torch.device("cpu")) == 0
+    finally:
+        _capability_major.cache_clear()

@@ -39,6 +39,20 @@ def _interpreter_ready() -> bool:
     return isinstance(tl.standard.sum, InterpretedFunction)
 
 
+def nvidia_major(device: torch.device) -> int:
+    """The CUDA capability major of the NVIDIA GPU ``device`` (9: Hopper), 0 for any other device. A ROCm
+    build of torch answers ``get_device_capability`` with its gfx version (MI300: 9.4), which promises none
+    of the NVIDIA features gated on it here (TMA, wgmma, CUTLASS's sm90 kernels, PTX)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return 0
+    return _capability_major(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(device_index: int | None) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_on_cuda() -> bool:
     return triton_available(torch.device("cuda"))

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from . import experts_torch as twin
-from . import triton_available
+from . import nvidia_major, triton_available
 
 GEMM_PATHS = ("auto", "triton", "triton_tma", "grouped_mm", "loop")
 ELEMENTWISE_BACKENDS = ("auto", "triton", "torch")
@@ -60,7 +60,7 @@ def _grouped_mm_ok(device: torch.device, dtype: torch.dtype, operands: tuple[tor
     if not twin.has_grouped_mm():
         return False
     if device.type == "cuda":
-        arch = torch.cuda.get_device_capability(device)[0]
+        arch = nvidia_major(device)
         if dtype != torch.bfloat16 or arch not in ((9,) if kind == "wgrad" else (9, 10)):
             return False
     elif dtype not in _TRITON_DTYPES:

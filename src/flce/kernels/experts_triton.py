@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from . import nvidia_major
+
 try:  # host-side TMA descriptors: triton 3.4+
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older triton: the TMA variant is simply not offered
@@ -276,7 +278,7 @@ def tma_ok(a: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether :func:`grouped_rows_tma_triton` can take these operands: TMA (Hopper+) and its layout rules."""
     if TensorDescriptor is None or a.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device)[0] < 9:
+    if a.device.type == "cuda" and nvidia_major(a.device) < 9:
         return False
     experts, k, n = w.shape
     dense_w = w.stride(0) == k * n and (w.stride(1), w.stride(2)) in ((n, 1), (1, k))

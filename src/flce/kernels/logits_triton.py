@@ -10,7 +10,6 @@ epilogue costs nothing measurable (benchmark/probes/logits_tma_gemm_probe.py, be
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -19,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..options import LossOptions
+from . import nvidia_major
 from .ce_triton import _sm_count
 from .fast_exp_triton import exp_ftz
 from .softcap_triton import capped
@@ -26,8 +26,8 @@ from .softcap_triton import capped
 
 class TileConfig(NamedTuple):
     """GEMM tile (block_m x block_n, k-steps of block_k), pipeline stages, warps, grouped order width.
-    From benchmark/probes/logits_tma_gemm_probe.py on an H100 (commit 6de0f32): 5.73 ms against cuBLAS
-    6.00 at 4096 x 4096 x 128256; 128 x 128 tiles and 256 x 128 were slower."""
+    From benchmark/probes/logits_tma_gemm_probe.py on an H100 (commit 6de0f32): 5.73 ms
+    against cuBLAS 6.00 at 4096 x 4096 x 128256; 128 x 128 tiles and 256 x 128 were slower."""
 
     block_m: int = 128
     block_n: int = 256
@@ -146,15 +146,11 @@ ALLOW_INTERPRETER = False
 
 
 def hopper(device: torch.device) -> bool:
-    """Whether this path's GPU generation is there (CUDA capability 9 or newer; the interpreter in tests)."""
+    """Whether this path's GPU generation is there (an NVIDIA GPU of capability 9 or newer; the interpreter
+    in tests)."""
     if device.type != "cuda":
         return ALLOW_INTERPRETER and os.environ.get("TRITON_INTERPRET") == "1"
-    return _capability_major(device.index) >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_major(device_index: int | None) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
+    return nvidia_major(device) >= 9
 
 
 def supported(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -201,7 +197,8 @@ def tile_stats(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     _launch(x_c, weight, bias, None, tile_max, tile_sum, opts, STORE_NOTHING)
 
 
-def _launch(x_c, weight, bias, out, tile_max, tile_sum, opts: LossOptions, output: int) -> None:
+def _launch(x_c, weight, bias, out, tile_max, tile_sum, opts: LossOptions, output: int):
+    """Returns the launched kernel (its registers and shared memory, for probes)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     n, hidden = x_c.shape
@@ -210,7 +207,7 @@ def _launch(x_c, weight, bias, out, tile_max, tile_sum, opts: LossOptions, outpu
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     programs = min(_sm_count(x_c.device.index), triton.cdiv(n, bm) * triton.cdiv(vocab, bn))
     x_desc = TensorDescriptor.from_tensor(x_c, [bm, bk])
-    _logits_stats_kernel[(programs,)](
+    return _logits_stats_kernel[(programs,)](
         x_desc,
         TensorDescriptor.from_tensor(weight, [bn, bk]),
         x_desc if out is None else TensorDescriptor.from_tensor(out, [bm, bn]),  # never written without out
