@@ -1,5 +1,5 @@
 """A loss without gradients (loss_only.py, logits_triton.tile_stats, exp_rows_triton.loss_rows): against
-float64 for every option it takes (z-loss and softcap too), to float32 precision (it reads no rounded
+float64 for every option it takes (z-loss, softcap and label smoothing too), to float32 precision (it reads no rounded
 logits), the calls that keep the chunked path, loss_only_runs split by the statistics budget, and NaN for an unchecked bad target.
 
 On the CPU it runs under TRITON_INTERPRET=1 with small tiles and in float16 (the interpreter reads bf16
@@ -40,6 +40,8 @@ def loss_and_reference(x, w, b, t, cw, mode=None, **opts):
     {"z_loss": 1e-3},
     {"softcap": 5.0},
     {"softcap": 3.0, "temperature": 1.3, "z_loss": 1e-2, "weight_cls": True, "bias": True, "ignore": 0.2},
+    {"label_smoothing": 0.1},
+    {"label_smoothing": 0.2, "temperature": 1.3, "z_loss": 1e-2, "weight_cls": True, "bias": True, "ignore": 0.2},
 ])
 def test_matches_float64(loss_only_runs, reduction, opts):
     inputs, opts = split_options(opts)
@@ -65,10 +67,36 @@ def test_statistics_take_no_more_than_a_chunk_of_logits(loss_only_runs, monkeypa
     assert rel_err(loss, ref) <= FLOAT32_TOL
 
 
-@pytest.mark.parametrize("opts", [{"label_smoothing": 0.1}, {"label_smoothing": 0.1, "softcap": 5.0}])
-def test_label_smoothing_keeps_the_chunked_path(loss_only_runs, opts):
-    loss, ref = loss_and_reference(*case(), **opts)
+@pytest.mark.parametrize("rows, opts", [
+    (40, {"softcap": 5.0}),  # a capped row's sum of logits is not linear in x: no thin GEMM gives it
+    (15, {}),  # fewer rows than H / 2: the chunked path's logits cost less than a pass over W
+])
+def test_label_smoothing_keeps_the_chunked_path_where_it_costs_less(loss_only_runs, rows, opts):
+    x, w, b, t, cw = case(n=rows)
+    assert 2 * rows < x.shape[1] or opts
+    loss, ref = loss_and_reference(x, w, b, t, cw, label_smoothing=0.1, **opts)
     assert loss_only_runs == [] and rel_err(loss, ref) <= TOL[DTYPE]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weight_scale", [None, 1.0, 1e6])  # 1e6: beyond float16's range unless scaled
+@pytest.mark.parametrize("split_rows", [2048, 64])  # 64: four batches of 75 vocabulary rows and one left over
+def test_smoothing_sums_match_float64(dtype, weight_scale, split_rows, monkeypatch):
+    """sum_j c_j z_j and sum_j c_j from the two thin GEMMs, at float32 precision in both 16-bit dtypes."""
+    from flce import loss_only
+    from flce.options import LossOptions
+
+    monkeypatch.setattr(loss_only, "SPLIT_K_ROWS", split_rows)
+    x, w, b, t, cw = row_case(n=33, hidden=48, vocab=301, bias=True, weight_cls=weight_scale is not None,
+                              dtype=dtype, device=DEVICE, requires_grad=False)
+    cw = None if cw is None else cw * weight_scale
+    sum_z, total = loss_only.smoothing_sums(x, w, b, cw, LossOptions(temperature=1.3))
+    c = torch.ones(301, dtype=torch.float64, device=DEVICE) if cw is None else cw.double()
+    z = (x.double() @ w.double().t() + b.double()) / 1.3
+    want = z @ c
+    assert sum_z.dtype == total.dtype == torch.float32 and sum_z.shape == (33,)
+    assert (sum_z.double() - want).abs().max() <= 1e-5 * (z.abs() @ c).max()
+    assert rel_err(total, c.sum()) <= 1e-6
 
 
 def test_statistics_keep_the_chunked_path(loss_only_runs):
@@ -103,7 +131,7 @@ def test_bad_target_raises_when_checked(loss_only_runs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(8192, 4096, 128256), (4096, 2048, 32000)])
 @pytest.mark.parametrize("autocast", [False, True])
-@pytest.mark.parametrize("opts", [{}, {"softcap": 30.0, "z_loss": 1e-4}])
+@pytest.mark.parametrize("opts", [{}, {"softcap": 30.0, "z_loss": 1e-4}, {"label_smoothing": 0.1, "z_loss": 1e-4}])
 def test_gpu_real_shapes(shape, autocast, opts, loss_only_runs):
     """bf16 (or float32 leaves under bf16 autocast) at real sizes with flce's own thresholds: the path
     runs and its loss sits at float32 precision, while the chunked path's carries the logits' rounding."""

@@ -1,10 +1,10 @@
-"""Probe: a loss without gradients with softcap and z-loss, on the statistics-only path (``loss_only.py``:
+"""Probe: a loss without gradients with softcap, z-loss and label smoothing, on the statistics-only path (``loss_only.py``:
 the logits GEMM keeps its tile statistics, nothing of the logits is written) against flce's chunked loop
 (each chunk's logits stored, then read back by the CE kernel; ``loss_only.try_run`` turned off), beside
 the floor (the one cuBLAS logits GEMM) in the same run. Both readings (loop and mixed), the worse shown;
 peak MB above the inputs; ``loss_vs_chunked``: the two paths' mean losses, relative.
 
-    PYTHONPATH=src:benchmark python benchmark/probes/loss_only_options_probe.py [--reps 20]
+    PYTHONPATH=src:benchmark python benchmark/probes/loss_only_options_probe.py [--reps 20] [--options plain,smoothing]
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from flce import loss_only
 
 COLUMNS = ["cell", "options", "method", "ms_loop", "ms_mixed", "x_floor", "peak_mb", "loss_vs_chunked", "status"]
 CELLS = ["8192x4096x128256", "1024x4096x128256", "8192x2048x32000"]
-OPTIONS = {"plain": {}, "softcap 30": {"softcap": 30.0}, "z-loss 1e-4": {"z_loss": 1e-4},
-           "softcap + z-loss": {"softcap": 30.0, "z_loss": 1e-4}}
+OPTIONS = {"plain": {}, "softcap": {"softcap": 30.0}, "z-loss": {"z_loss": 1e-4},
+           "softcap+z-loss": {"softcap": 30.0, "z_loss": 1e-4}, "smoothing": {"label_smoothing": 0.1}}
 
 
 @contextlib.contextmanager
@@ -38,6 +38,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--options", default=",".join(OPTIONS), help=f"comma-separated, of {list(OPTIONS)}")
     args = p.parse_args()
     args.device, args.timing = torch.device("cuda"), ("loop", "mixed")
     print(torch.cuda.get_device_name(), flush=True)
@@ -48,7 +49,8 @@ def main() -> None:
         x = torch.randn(n, h, device="cuda", generator=g, dtype=torch.bfloat16)
         w = (torch.randn(v, h, device="cuda", generator=g) / h**0.5 * 2).to(torch.bfloat16)
         t = torch.randint(0, v, (n,), device="cuda", generator=g)
-        for label, kw in OPTIONS.items():
+        for label in args.options.split(","):
+            kw = OPTIONS[label]
             @torch.no_grad()
             def stats_only(kw=kw):
                 return flce.linear_cross_entropy(x, w, t, **kw)

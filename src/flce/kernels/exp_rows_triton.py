@@ -76,31 +76,45 @@ def _row_loss(row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class
 
 @triton.jit
 def _loss_rows_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr, tile_max_ptr,
-                      tile_sum_ptr, loss_ptr, lse_ptr, n_rows, V, H, n_tiles, ignore_index, inv_temp, z_loss, softcap,
-                      HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-                      HAS_SOFTCAP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+                      tile_sum_ptr, loss_ptr, lse_ptr, sum_z_ptr, weight_total_ptr, n_rows, V, H, n_tiles, ignore_index,
+                      inv_temp, z_loss, softcap, smoothing, HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                      HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        _row_loss(tl.cast(row_i, tl.int64), x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr,
-                  tile_max_ptr, tile_sum_ptr, loss_ptr, lse_ptr, V, H, n_tiles, ignore_index, inv_temp, z_loss, softcap,
-                  HAS_BIAS, HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP, BLOCK_H, BLOCK_T)
+        row = tl.cast(row_i, tl.int64)
+        y, valid, bad, lse, z_y, w_y = _row_loss(
+            row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr, tile_max_ptr,
+            tile_sum_ptr, loss_ptr, lse_ptr, V, H, n_tiles, ignore_index, inv_temp, z_loss, softcap, HAS_BIAS,
+            HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP, BLOCK_H, BLOCK_T)
+        if HAS_SMOOTHING:  # the smoothed loss replaces the one just stored (as the CE kernel's, ce_torch._block)
+            loss = (1.0 - smoothing) * w_y * (lse - z_y)
+            loss += smoothing / V * (tl.load(weight_total_ptr) * lse - tl.load(sum_z_ptr + row))
+            if HAS_Z_LOSS:
+                loss += z_loss * lse * lse
+            tl.store(loss_ptr + row, tl.where(valid, loss + tl.where(bad, float("nan"), 0.0), 0.0))
 
 
 def loss_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
               class_weight: torch.Tensor | None, tile_stats: tuple[torch.Tensor, torch.Tensor], loss: torch.Tensor,
-              lse: torch.Tensor, opts: LossOptions) -> None:
+              lse: torch.Tensor, opts: LossOptions,
+              smoothing_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Each row's loss and lse (n,) float32 from the logits GEMM's (n, T) tile statistics alone (no logits
     stored: ``loss_only.py``), as ``exp_rows`` computes them, with z-loss and softcap (the statistics' own).
     x (n, H), weight (V, H) with unit-stride rows, bias (V,) or None, target (n,) int64, class_weight (V,)
-    or None."""
+    or None. Label smoothing needs ``smoothing_sums``: each row's sum_j c_j z_j (n,) and sum_j c_j (0-d),
+    float32, c the class weights (ones without)."""
     n, hidden = x.shape
     assert x.stride(1) == 1 and weight.stride(1) == 1
+    assert (smoothing_sums is not None) == (opts.label_smoothing > 0.0), "label smoothing needs its sums"
     tile_max, tile_sum = tile_stats
+    sum_z, weight_total = smoothing_sums if smoothing_sums is not None else (loss, loss)
     _loss_rows_kernel[(min(n, 16 * _sm_count(x.device.index)),)](
         x, x.stride(0), weight, weight.stride(0), bias if bias is not None else loss, target,
-        class_weight if class_weight is not None else loss, tile_max, tile_sum, loss, lse, n, weight.shape[0], hidden,
-        tile_max.shape[1], opts.ignore_index, 1.0 / opts.temperature, float(opts.z_loss), float(opts.softcap or 1.0),
-        HAS_BIAS=bias is not None, HAS_WEIGHT=class_weight is not None, HAS_Z_LOSS=opts.z_loss > 0.0,
-        HAS_SOFTCAP=opts.softcap is not None, **_row_blocks(hidden, tile_max.shape[1]), num_warps=4,
+        class_weight if class_weight is not None else loss, tile_max, tile_sum, loss, lse, sum_z, weight_total, n,
+        weight.shape[0], hidden, tile_max.shape[1], opts.ignore_index, 1.0 / opts.temperature, float(opts.z_loss),
+        float(opts.softcap or 1.0), float(opts.label_smoothing), HAS_BIAS=bias is not None,
+        HAS_WEIGHT=class_weight is not None, HAS_Z_LOSS=opts.z_loss > 0.0, HAS_SOFTCAP=opts.softcap is not None,
+        HAS_SMOOTHING=smoothing_sums is not None, **_row_blocks(hidden, tile_max.shape[1]), num_warps=4,
     )
 
 
