@@ -4,7 +4,7 @@ kernel would arrange by hand. Smaller tiles and fewer stages make two programs f
 and registers. Each configuration is checked against torch, then timed (median of interleaved rounds)
 against cuBLAS's plain GEMM for the three epilogues: statistics alone (a loss without gradients), exp(z)
 stored (the exp-logits path) and the logits stored (the chunked path). Prints each compiled kernel's
-registers, spills and shared memory. Result (H100, ``results/2026-11-25-h100-*/co_resident.txt``): every
+registers, spills and shared memory. Result (H100, ``results/2026-11-25-h100-c954f85/co_resident.txt``): every
 two-program configuration is 1.24-1.68x cuBLAS where the default (one program of 128 x 256 tiles per SM)
 is 1.00-1.16x: the smaller tiles cost far more than the overlap gives. GPU only:
 
