@@ -61,6 +61,17 @@ def timed_calls(fn: Callable[[], Any], warmup: int, reps: int, device: torch.dev
     return timed_steps(lambda: fn, warmup, reps, device)
 
 
+def median_of_rounds(fns: dict[str, Callable[[], Any]], device: torch.device, reps: int,
+                     rounds: int = 5) -> dict[str, float]:
+    """Median over ``rounds`` interleaved rounds (every function once a round) of each function's median
+    call time in ms, ``reps`` calls after 2 warm-up calls a round: the probes' reading of kernels alone."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(statistics.median(timed_calls(fn, 2, reps, device)))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def timed_steps(make_call: Callable[[], Callable[[], Any]], warmup: int, reps: int,
                 device: torch.device) -> list[float]:
     """Milliseconds of each of ``reps`` steps after ``warmup`` untimed ones; ``make_call()`` prepares a

@@ -12,11 +12,10 @@ is 1.00-1.16x: the smaller tiles cost far more than the overlap gives. GPU only:
 """
 from __future__ import annotations
 
-import statistics
 
 import torch
 import triton
-from common import timed_calls
+from common import median_of_rounds
 
 from flce.kernels import logits_triton
 from flce.kernels.ce_triton import _sm_count as sm_count
@@ -32,15 +31,7 @@ CONFIGS = [  # (tile, programs per SM)
 ]
 SHAPES = [(8192, 4096, 128256), (1024, 4096, 128256), (8192, 2048, 32000)]
 OUTPUTS = ("stats", "exp", "logits")
-ROUNDS, REPS = 5, 10
-
-
-def median_rounds(fns, device):
-    samples = {k: [] for k in fns}
-    for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            samples[name].append(statistics.median(timed_calls(fn, 2, REPS, device)))
-    return {k: statistics.median(v) for k, v in samples.items()}
+REPS = 10
 
 
 def call_for(kind, cfg, per_sm, x, w, out, opts):
@@ -89,7 +80,7 @@ def main():
                 except Exception as e:  # noqa: BLE001 - a config the compiler rejects
                     print(f"  {kind} {name} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
             logits_triton.TILE, logits_triton._sm_count = TileConfig(), sm_count
-            times = median_rounds(fns, device)
+            times = median_of_rounds(fns, device, REPS)
             base = times["cuBLAS mm"]
             print(f"{kind}, {rows} x {hidden} x {vocab}:", flush=True)
             for name, ms in sorted(times.items(), key=lambda kv: kv[1]):

@@ -18,12 +18,11 @@ not kept. GPU only:
 """
 from __future__ import annotations
 
-import statistics
 
 import torch
 import triton
 import triton.language as tl
-from common import timed_calls
+from common import median_of_rounds
 
 from flce.kernels import block_gemm_triton, logits_triton
 from flce.kernels.ce_block_torch import RowTerms
@@ -32,7 +31,7 @@ from flce.kernels.ce_triton import _sm_count
 from flce.kernels.logits_triton import _tile_coords, tile_logits
 from flce.options import LossOptions
 
-ROUNDS, REPS = 5, 10
+REPS = 10
 BLOCK_SHAPES = [(8192, 4096, 4096), (32768, 4096, 1024)]  # rows, hidden, block columns
 LOGITS_SHAPES = [(8192, 2048, 32000), (4096, 4096, 128256), (1024, 4096, 128256), (8192, 4096, 128256)]
 
@@ -121,14 +120,6 @@ def logits_subtile(x, w, out, mx, se, stages):
         BM=bm, BN=bn, BK=bk, GROUP=cfg.group, PROGRAMS=programs, num_stages=stages, num_warps=cfg.warps)
 
 
-def median_rounds(fns, device):
-    samples = {k: [] for k in fns}
-    for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            samples[name].append(statistics.median(timed_calls(fn, 2, REPS, device)))
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
 def report(title, fns, check, device):
     for name in list(fns):
         if name.startswith("cuBLAS") or name == "flce":
@@ -140,7 +131,7 @@ def report(title, fns, check, device):
         except Exception as e:  # noqa: BLE001 - a variant the compiler rejects
             print(f"  {title}: {name} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
             del fns[name]
-    times = median_rounds(fns, device)
+    times = median_of_rounds(fns, device, REPS)
     print(title, flush=True)
     for name, ms in sorted(times.items(), key=lambda kv: kv[1]):
         print(f"  {name:30s} {ms:8.4f} ms  {ms / times['cuBLAS mm']:6.3f}x cuBLAS", flush=True)

@@ -13,11 +13,10 @@ against cuBLAS 1.007x at 8192 x 4096 x 128256, 1.04-1.07x at 512-4096 rows, 1.11
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import triton
-from common import timed_calls
+from common import median_of_rounds
 
 from flce.kernels import block_gemm_triton, logits_triton
 from flce.kernels.ce_block_torch import RowTerms
@@ -39,16 +38,6 @@ CONFIGS = [
 LOGITS_SHAPES = [(256, 4096, 128256), (512, 4096, 128256), (1024, 4096, 128256), (4096, 4096, 128256),
                  (8192, 2048, 32000), (8192, 4096, 128256)]
 BLOCK_SHAPES = [(8192, 4096, 4096), (32768, 4096, 1024)]  # rows, hidden, block columns (64 MiB blocks)
-ROUNDS = 5
-
-
-def median_rounds(fns: dict[str, callable], device, reps: int) -> dict[str, float]:
-    """Median over ROUNDS interleaved rounds of each function's median call time (ms)."""
-    samples = {k: [] for k in fns}
-    for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            samples[name].append(statistics.median(timed_calls(fn, 2, reps, device)))
-    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def logits_sweep(device, configs, reps):
@@ -75,7 +64,7 @@ def logits_sweep(device, configs, reps):
             except Exception as e:  # noqa: BLE001 - a config the compiler rejects
                 print(f"  {rows}x{hidden}x{vocab} {tuple(cfg)} failed: {type(e).__name__}: {str(e)[:100]}")
         logits_triton.TILE = TileConfig()
-        times = median_rounds(fns, device, reps)
+        times = median_of_rounds(fns, device, reps)
         base = times["cuBLAS mm"]
         print(f"logits GEMM + stats, {rows} x {hidden} x {vocab}:", flush=True)
         for name, ms in sorted(times.items(), key=lambda kv: kv[1]):
@@ -111,7 +100,7 @@ def block_sweep(device, configs, reps):
             except Exception as e:  # noqa: BLE001
                 print(f"  block {rows}x{hidden}x{cols} {tuple(cfg)} failed: {type(e).__name__}: {str(e)[:100]}")
         block_gemm_triton.TILE = TileConfig()
-        times = median_rounds(fns, device, reps)
+        times = median_of_rounds(fns, device, reps)
         base = times["cuBLAS mm"]
         print(f"block GEMM + gradient, {rows} rows x {hidden} x {cols} columns:", flush=True)
         for name, ms in sorted(times.items(), key=lambda kv: kv[1]):
