@@ -52,14 +52,15 @@ def test_matches_float64(loss_only_runs, reduction, opts):
     assert rel_err(loss, ref) <= FLOAT32_TOL
 
 
-@pytest.mark.parametrize("mode", [{"chunk_size": 1}, {"low_memory": True, "chunk_size": 1}])
-def test_statistics_take_no_more_than_a_chunk_of_logits(loss_only_runs, monkeypatch, mode):
+@pytest.mark.parametrize("mode, opts", [({"chunk_size": 1}, {}), ({"low_memory": True, "chunk_size": 1}, {}),
+                                        ({"low_memory": True, "chunk_size": 1}, {"label_smoothing": 0.1})])
+def test_statistics_take_no_more_than_a_chunk_of_logits(loss_only_runs, monkeypatch, mode, opts):
     """The statistics of one launch fit the chunk plan's logits buffer (here one row of 120 logits: 15 rows
     of statistics with the interpreter's 2 tiles a row, 30 with Hopper's 1), the low-memory mode's included."""
     gemms, tile_stats = [], lt.tile_stats
     monkeypatch.setattr(lt, "tile_stats", lambda x, *a, **k: gemms.append(x.shape[0]) or tile_stats(x, *a, **k))
     x, w, b, t, cw = case(n=40, bias=True, ignore=0.2)
-    loss, ref = loss_and_reference(x, w, b, t, cw, mode, reduction="none")
+    loss, ref = loss_and_reference(x, w, b, t, cw, mode, reduction="none", **opts)
     tiles = lt.num_tiles(120)
     per_launch = max(120 * x.element_size() // (2 * 4 * tiles), lt.MIN_ROWS)
     assert loss_only_runs == [40] and gemms == [min(per_launch, 40 - start) for start in range(0, 40, per_launch)]
