@@ -1,0 +1,213 @@
+"""Probe: the logits GEMM's tile statistics from a hand-written warp-specialized ping-pong kernel (Gluon).
+
+flce's Triton logits GEMM (``kernels/logits_triton.py``) runs its epilogue (max, exp and sums of each tile)
+between two tiles' MMAs: 3-7% above cuBLAS under sustained load, the gap NOTES names as the remaining lever
+of the loss without gradients, the exp-logits path and the low-memory block GEMM. Triton 3.6's automatic
+warp specialization did not close it (``ws_gemm_probe.py``). Here the schedule is written out in Gluon, as
+CUTLASS's sm90 ping-pong kernels arrange it:
+
+- one loader warp issues the TMA loads of every tile of the program into a ring of ``STAGES`` shared
+  buffers (x rows and W rows, 128 x 64 each);
+- two consumer warpgroups take the program's tiles in turn (even and odd): each runs its tile's wgmmas
+  from the ring, then its epilogue, which overlaps the other consumer's MMAs; a pair of barriers makes
+  their mainloops alternate (without it a consumer waits on a stage two fills ahead, which an mbarrier's
+  parity cannot tell from the fill before: the first version hung or faulted);
+- 128 x 128 tiles (a warpgroup's accumulator: 128 registers a thread); registers moved from the loader to
+  the consumers (``worker_num_regs``).
+
+The epilogue writes each row's max and sum of exp(z - max) over the tile's 128 logits (``STORE_NOTHING``
+of ``logits_triton``: a loss without gradients). Checked against torch (lse of float32 logits), then
+timed against cuBLAS's plain GEMM and flce's kernel (median of interleaved rounds). ``--mode`` bisects:
+1 drops the statistics, 2 gives every tile to one consumer (no ping-pong). GPU only (Hopper):
+
+    PYTHONPATH=src:benchmark python benchmark/probes/gluon_pingpong_probe.py [--mode 0|1|2] [--shapes ...]
+
+Status (H100, ``results/2026-11-25-h100-c954f85/gluon_pingpong_*.txt``): mode 2 is correct (lse within
+3.8e-6 of float32); the ping-pong modes of the first version hung (1) or faulted (0). The order barriers
+that fix the cause named above compile for sm_90 (12 warps, 168 registers at launch, no spills, 192 KiB of
+shared memory) and have not run on a GPU yet.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BM, BN, BK = gl.constexpr(128), gl.constexpr(128), gl.constexpr(64)
+LOG2E = gl.constexpr(1.4426950408889634)
+SHAPES = [(8192, 4096, 128256), (1024, 4096, 128256), (8192, 2048, 32000)]
+
+
+@gluon.jit
+def _tile_coords(tile, grid_m, grid_n, GROUP: gl.constexpr):
+    """Grouped order (as ``logits_triton._tile_coords``): GROUP row tiles use each W tile while in L2."""
+    width = GROUP * grid_n
+    first_m = (tile // width) * GROUP
+    size_m = gl.minimum(grid_m - first_m, GROUP)
+    return first_m + (tile % width) % size_m, (tile % width) // size_m
+
+
+@gluon.jit
+def _loader(x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr, M, N, K, inv_temp,
+            STAGES: gl.constexpr, GROUP: gl.constexpr, PROGRAMS: gl.constexpr, MODE: gl.constexpr):
+    """One warp: every tile's k-steps in order into the ring; a stage is refilled once a consumer frees it."""
+    pid = gl.program_id(0)
+    grid_m, grid_n = gl.cdiv(M, BM), gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    for tile in range(pid, grid_m * grid_n, PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
+        base = (tile - pid) // PROGRAMS * k_steps
+        for k in range(k_steps):
+            c = base + k
+            s = c % STAGES
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [pid_m * BM, k * BK], ready.index(s), x_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [pid_n * BN, k * BK], ready.index(s), w_bufs.index(s))
+
+
+@gluon.jit
+def _consumer(x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr, M, N, K, inv_temp,
+              STAGES: gl.constexpr, GROUP: gl.constexpr, PROGRAMS: gl.constexpr, MODE: gl.constexpr,
+              PARITY: gl.constexpr):
+    """One warpgroup: the program's tiles of this parity, wgmmas from the ring, then the statistics."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    pid = gl.program_id(0)
+    grid_m, grid_n = gl.cdiv(M, BM), gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    # MODE (bisecting a fault): 0 ping-pong with statistics, 1 without them, 2 one consumer takes every tile.
+    first = pid + PARITY * PROGRAMS if MODE != 2 else (pid if PARITY == 0 else grid_m * grid_n)
+    j = 0  # this consumer's tiles so far
+    for tile in range(first, grid_m * grid_n, (2 if MODE != 2 else 1) * PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
+        base = (tile - pid) // PROGRAMS * k_steps
+        # The other consumer's mainloop of the tile before first: a ready barrier's parity names only the
+        # phase in progress or the one before, so no consumer may wait two fills of a stage ahead.
+        mbarrier.wait(done.index(1 - PARITY), (j + PARITY - 1) & 1, pred=(MODE != 2) & (j + PARITY > 0))
+        acc = gl.zeros([BM, BN], gl.float32, mma)
+        for k in range(k_steps):
+            c = base + k
+            s = c % STAGES
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=k > 0)  # the previous stage
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((base + k_steps - 1) % STAGES), count=1)
+        mbarrier.arrive(done.index(PARITY), count=1, pred=MODE != 2)
+        j += 1
+        if MODE != 1:
+            _statistics(acc, mma, max_ptr, sum_ptr, pid_m * BM, pid_n, M, N, grid_n, inv_temp)
+
+
+@gluon.jit
+def _statistics(acc, mma: gl.constexpr, max_ptr, sum_ptr, m0, pid_n, M, N, grid_n, inv_temp):
+    cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+    rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+    z = gl.where(cols[None, :] < N, acc * (inv_temp * LOG2E), float("-inf"))  # in log2 units
+    row_max = gl.max(z, 1)
+    row_sum = gl.sum(gl.exp2(z - row_max[:, None]), 1)
+    at = rows.to(gl.int64) * grid_n + pid_n
+    gl.store(max_ptr + at, row_max * (1.0 / LOG2E), mask=rows < M)
+    gl.store(sum_ptr + at, row_sum, mask=rows < M)
+
+
+@gluon.jit
+def _consumer_odd(x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr, M, N, K, inv_temp,
+                  STAGES: gl.constexpr, GROUP: gl.constexpr, PROGRAMS: gl.constexpr, MODE: gl.constexpr):
+    _consumer(x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr, M, N, K, inv_temp, STAGES, GROUP,
+              PROGRAMS, MODE, 1)
+
+
+@gluon.jit
+def _pingpong_stats_kernel(x_desc, w_desc, max_ptr, sum_ptr, M, N, K, inv_temp, STAGES: gl.constexpr,
+                           GROUP: gl.constexpr, PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           LOADER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr, MODE: gl.constexpr):
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(done.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr, M, N, K, inv_temp, STAGES,
+                     GROUP, PROGRAMS, MODE, 0)),
+        (_consumer_odd, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr, M, N, K, inv_temp, STAGES,
+                         GROUP, PROGRAMS, MODE)),
+        (_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr, M, N, K, inv_temp, STAGES, GROUP,
+                   PROGRAMS, MODE)),
+    ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+
+
+def pingpong_stats(x, w, tile_max, tile_sum, inv_temp=1.0, stages=6, group=8, consumer_regs=232, loader_regs=40,
+                   loader_warps=1, mode=0):
+    """tile_max / tile_sum (n, cdiv(V, 128)) float32 of x (n, H) @ w (V, H)^T, bf16 or fp16."""
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    bm, bn, bk = BM.value, BN.value, BK.value
+    x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dtype))
+    w_desc = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], dtype))
+    n, vocab = x.shape[0], w.shape[0]
+    programs = min(torch.cuda.get_device_properties(x.device).multi_processor_count,
+                   triton.cdiv(n, bm) * triton.cdiv(vocab, bn))
+    # 12 warps (default 4, consumer 4, loader 1 rounded to a warpgroup) share 64k registers: 168 each at launch.
+    return _pingpong_stats_kernel[(programs, )](x_desc, w_desc, tile_max, tile_sum, n, vocab, x.shape[1], inv_temp,
+                                                stages, group, programs, consumer_regs, loader_regs, loader_warps, mode,
+                                                num_warps=4, maxnreg=168)
+
+
+def main():
+    import argparse
+
+    from common import median_of_rounds
+
+    from flce.kernels import logits_triton
+    from flce.options import LossOptions
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
+    p.add_argument("--consumer-regs", type=int, default=232)
+    p.add_argument("--loader-regs", type=int, default=40)
+    p.add_argument("--loader-warps", type=int, default=1)
+    p.add_argument("--stages", type=int, default=6)
+    p.add_argument("--mode", type=int, default=0, help="0 ping-pong, 1 without statistics, 2 one consumer")
+    args = p.parse_args()
+    kw = dict(stages=args.stages, consumer_regs=args.consumer_regs, loader_regs=args.loader_regs,
+              loader_warps=args.loader_warps, mode=args.mode)
+    device = torch.device("cuda")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, kw, flush=True)
+    for rows, hidden, vocab in (tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")):
+        x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+        w = (torch.randn(vocab, hidden, device=device) * hidden ** -0.5 * 2).bfloat16()
+        out = torch.empty(rows, vocab, device=device, dtype=torch.bfloat16)
+        want = (x.float() @ w.float().t()).logsumexp(1)
+        mx, se = torch.empty(2, rows, triton.cdiv(vocab, BN.value), device=device)
+        fmx, fse = torch.empty(2, rows, logits_triton.num_tiles(vocab), device=device)
+        kernel = pingpong_stats(x, w, mx, se, **kw)
+        top = mx.max(1, keepdim=True).values
+        err = ((top[:, 0] + (se * (mx - top).exp()).sum(1).log()) - want).abs().max().item()
+        print(f"{rows} x {hidden} x {vocab}: lse max error {err:.2e}; registers {kernel.n_regs}, spills "
+              f"{kernel.n_spills}, shared {kernel.metadata.shared} B", flush=True)
+        if not err < 1e-3:
+            print("  wrong result: not timed", flush=True)
+            continue
+        times = median_of_rounds({
+            "cuBLAS mm": lambda: torch.mm(x, w.t(), out=out),
+            "flce tile_stats (128 x 256, pipelined)": lambda: logits_triton.tile_stats(x, w, None, fmx, fse,
+                                                                                       LossOptions()),
+            "Gluon ping-pong (128 x 128)": lambda: pingpong_stats(x, w, mx, se, **kw),
+        }, device, reps=10)
+        for name, ms in times.items():
+            print(f"  {name:40s} {ms:8.4f} ms  {ms / times['cuBLAS mm']:6.3f}x cuBLAS", flush=True)
+        del x, w, out, want
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
