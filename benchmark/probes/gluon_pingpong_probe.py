@@ -22,7 +22,7 @@ timed against cuBLAS's plain GEMM and flce's kernel (median of interleaved round
 
     PYTHONPATH=src:benchmark python benchmark/probes/gluon_pingpong_probe.py [--mode 0|1|2] [--shapes ...]
 
-Status (H100, ``results/2026-11-25-h100-c954f85/gluon_pingpong_*.txt``): mode 2 is correct (lse within
+Status (H100, ``results/2026-11-25-h100-c954f85/gluon_pingpong_7fd07f1.txt``): mode 2 is correct (lse within
 3.8e-6 of float32); the ping-pong modes of the first version hung (1) or faulted (0). The order barriers
 that fix the cause named above compile for sm_90 (12 warps, 168 registers at launch, no spills, 192 KiB of
 shared memory) and have not run on a GPU yet.
