@@ -26,8 +26,8 @@ from .softcap_triton import capped
 
 class TileConfig(NamedTuple):
     """GEMM tile (block_m x block_n, k-steps of block_k), pipeline stages, warps, grouped order width.
-    From benchmark/probes/logits_tma_gemm_probe.py on an H100 (commit 6de0f32): 5.73 ms
-    against cuBLAS 6.00 at 4096 x 4096 x 128256; 128 x 128 tiles and 256 x 128 were slower."""
+    From benchmark/probes/logits_tma_gemm_probe.py on an H100 (commit 6de0f32): 5.73 ms against cuBLAS
+    6.00 at 4096 x 4096 x 128256; 128 x 128 tiles and 256 x 128 were slower."""
 
     block_m: int = 128
     block_n: int = 256
