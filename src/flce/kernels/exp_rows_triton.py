@@ -44,12 +44,14 @@ def _lowest(max_ptr, n_tiles, BLOCK_T: tl.constexpr):
 
 @triton.jit
 def _row_loss(row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr, tile_max_ptr,
-              tile_sum_ptr, loss_ptr, lse_ptr, V, H, n_tiles, ignore_index, inv_temp, z_loss, softcap,
-              HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-              BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+              tile_sum_ptr, loss_ptr, lse_ptr, sum_z_ptr, weight_total_ptr, V, H, n_tiles, ignore_index, inv_temp,
+              z_loss, softcap, smoothing, HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
     """One row's loss w_y (lse - z_y) (+ z_loss lse^2) and lse written (0 on an ignored row, NaN loss on an
     unchecked target outside [0, V)), from the GEMM's tile statistics and z_y from a float32 dot of x with
-    the target's weight row (plus its bias), over T, softcapped. Returns the target (clamped into [0, V)),
+    the target's weight row (plus its bias), over T, softcapped. With smoothing s the target's term is
+    weighted 1 - s and s / V (sum_j c_j lse - sum_j c_j z_j) added, from the row's ``sum_z`` and the 0-d
+    ``weight_total`` (as the CE kernel's, ce_torch._block). Returns the target (clamped into [0, V)),
     whether the row counts, whether its target is bad, lse, z_y and w_y."""
     y = tl.load(target_ptr + row)
     valid = y != ignore_index
@@ -67,6 +69,8 @@ def _row_loss(row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class
     z_y = capped(z_y, inv_temp, softcap, HAS_SOFTCAP)
     w_y = tl.load(class_weight_ptr + y).to(tl.float32) if HAS_WEIGHT else 1.0
     loss = w_y * (lse - z_y)
+    if HAS_SMOOTHING:
+        loss = (1.0 - smoothing) * loss + smoothing / V * (tl.load(weight_total_ptr) * lse - tl.load(sum_z_ptr + row))
     if HAS_Z_LOSS:
         loss += z_loss * lse * lse
     tl.store(loss_ptr + row, tl.where(valid, loss + tl.where(bad, float("nan"), 0.0), 0.0))
@@ -82,16 +86,10 @@ def _loss_rows_kernel(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, cl
                       BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
-        y, valid, bad, lse, z_y, w_y = _row_loss(
-            row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr, tile_max_ptr,
-            tile_sum_ptr, loss_ptr, lse_ptr, V, H, n_tiles, ignore_index, inv_temp, z_loss, softcap, HAS_BIAS,
-            HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP, BLOCK_H, BLOCK_T)
-        if HAS_SMOOTHING:  # the smoothed loss replaces the one just stored (as the CE kernel's, ce_torch._block)
-            loss = (1.0 - smoothing) * w_y * (lse - z_y)
-            loss += smoothing / V * (tl.load(weight_total_ptr) * lse - tl.load(sum_z_ptr + row))
-            if HAS_Z_LOSS:
-                loss += z_loss * lse * lse
-            tl.store(loss_ptr + row, tl.where(valid, loss + tl.where(bad, float("nan"), 0.0), 0.0))
+        _row_loss(row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr, tile_max_ptr,
+                  tile_sum_ptr, loss_ptr, lse_ptr, sum_z_ptr, weight_total_ptr, V, H, n_tiles, ignore_index, inv_temp,
+                  z_loss, softcap, smoothing, HAS_BIAS, HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_H,
+                  BLOCK_T)
 
 
 def loss_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
@@ -135,8 +133,8 @@ def _exp_rows_kernel(e_ptr, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_p
         row = tl.cast(row_i, tl.int64)
         y, valid, bad, lse, z_y, w_y = _row_loss(row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr,
                                                  class_weight_ptr, tile_max_ptr, tile_sum_ptr, loss_ptr, lse_ptr,
-                                                 V, H, n_tiles, ignore_index, inv_temp, 0.0, 1.0, HAS_BIAS,
-                                                 HAS_WEIGHT, False, False, BLOCK_H, BLOCK_T)
+                                                 loss_ptr, loss_ptr, V, H, n_tiles, ignore_index, inv_temp, 0.0, 1.0,
+                                                 0.0, HAS_BIAS, HAS_WEIGHT, False, False, False, BLOCK_H, BLOCK_T)
         poison = tl.where(bad, float("nan"), 0.0)
         if MEAN_BY_COUNT:
             n_valid += valid.to(tl.int64)
