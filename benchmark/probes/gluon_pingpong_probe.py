@@ -38,10 +38,11 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-BM, BN, BK = gl.constexpr(128), gl.constexpr(128), gl.constexpr(64)
+BK = gl.constexpr(64)
 LOG2E = gl.constexpr(1.4426950408889634)
 SHAPES = [(8192, 4096, 128256), (1024, 4096, 128256), (8192, 2048, 32000)]
 
@@ -56,9 +57,12 @@ def _tile_coords(tile, grid_m, grid_n, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _loader(x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr, M, N, K, inv_temp,
-            STAGES: gl.constexpr, GROUP: gl.constexpr, PROGRAMS: gl.constexpr, MODE: gl.constexpr):
+def _loader(x_desc, w_desc, out_desc, x_bufs, w_bufs, out_bufs, ready, empty, done, max_ptr, sum_ptr, target_ptr,
+            lse_ptr, M, N, K, inv_temp, scale, STAGES: gl.constexpr, GROUP: gl.constexpr, PROGRAMS: gl.constexpr,
+            MODE: gl.constexpr):
     """One warp: every tile's k-steps in order into the ring; a stage is refilled once a consumer frees it."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
     pid = gl.program_id(0)
     grid_m, grid_n = gl.cdiv(M, BM), gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
@@ -75,20 +79,27 @@ def _loader(x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr
 
 
 @gluon.jit
-def _consumer(x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr, M, N, K, inv_temp,
-              STAGES: gl.constexpr, GROUP: gl.constexpr, PROGRAMS: gl.constexpr, MODE: gl.constexpr,
-              PARITY: gl.constexpr):
-    """One warpgroup: the program's tiles of this parity, wgmmas from the ring, then the statistics."""
+def _consumer(x_desc, w_desc, out_desc, x_bufs, w_bufs, out_bufs, ready, empty, done, max_ptr, sum_ptr, target_ptr,
+              lse_ptr, M, N, K, inv_temp, scale, STAGES: gl.constexpr, GROUP: gl.constexpr, PROGRAMS: gl.constexpr,
+              MODE: gl.constexpr, PARITY: gl.constexpr):
+    """One warpgroup: the program's tiles of this parity, wgmmas from the ring, then the epilogue."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     pid = gl.program_id(0)
     grid_m, grid_n = gl.cdiv(M, BM), gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
-    # MODE (bisecting a fault): 0 ping-pong with statistics, 1 without them, 2 one consumer takes every tile.
+    # MODE: 0 ping-pong with statistics, 1 without them (the compiler then drops the MMAs: not a timing),
+    # 2 one consumer takes every tile, 3 ping-pong storing the low-memory backward's dz of every logit.
     first = pid + PARITY * PROGRAMS if MODE != 2 else (pid if PARITY == 0 else grid_m * grid_n)
     j = 0  # this consumer's tiles so far
     for tile in range(first, grid_m * grid_n, (2 if MODE != 2 else 1) * PROGRAMS):
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
         base = (tile - pid) // PROGRAMS * k_steps
+        if MODE == 3:  # the rows' terms before the mainloop, as block_gemm_triton loads them
+            rows = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+            y = gl.load(target_ptr + rows, mask=rows < M, other=-1).to(gl.int32)
+            lse2 = gl.load(lse_ptr + rows, mask=rows < M, other=0.0) * LOG2E
         # The other consumer's mainloop of the tile before first: a ready barrier's parity names only the
         # phase in progress or the one before, so no consumer may wait two fills of a stage ahead.
         mbarrier.wait(done.index(1 - PARITY), (j + PARITY - 1) & 1, pred=(MODE != 2) & (j + PARITY > 0))
@@ -104,12 +115,23 @@ def _consumer(x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_p
         mbarrier.arrive(empty.index((base + k_steps - 1) % STAGES), count=1)
         mbarrier.arrive(done.index(PARITY), count=1, pred=MODE != 2)
         j += 1
-        if MODE != 1:
-            _statistics(acc, mma, max_ptr, sum_ptr, pid_m * BM, pid_n, M, N, grid_n, inv_temp)
+        if MODE == 3:
+            cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+            p = gl.exp2(acc * (inv_temp * LOG2E) - lse2[:, None])
+            g = (p - (cols[None, :] == y[:, None]).to(gl.float32)) * scale
+            out_buf = out_bufs.index(PARITY)
+            tma.store_wait(0)  # this consumer's previous tile has left its buffer
+            out_buf.store(g.to(out_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out_desc, [pid_m * BM, pid_n * BN], out_buf)
+        elif MODE != 1:
+            _statistics(acc, mma, max_ptr, sum_ptr, pid_m * BM, pid_n, M, N, grid_n, inv_temp, BM, BN)
+    tma.store_wait(0)
 
 
 @gluon.jit
-def _statistics(acc, mma: gl.constexpr, max_ptr, sum_ptr, m0, pid_n, M, N, grid_n, inv_temp):
+def _statistics(acc, mma: gl.constexpr, max_ptr, sum_ptr, m0, pid_n, M, N, grid_n, inv_temp, BM: gl.constexpr,
+                BN: gl.constexpr):
     cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
     rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
     z = gl.where(cols[None, :] < N, acc * (inv_temp * LOG2E), float("-inf"))  # in log2 units
@@ -121,18 +143,22 @@ def _statistics(acc, mma: gl.constexpr, max_ptr, sum_ptr, m0, pid_n, M, N, grid_
 
 
 @gluon.jit
-def _consumer_odd(x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr, M, N, K, inv_temp,
-                  STAGES: gl.constexpr, GROUP: gl.constexpr, PROGRAMS: gl.constexpr, MODE: gl.constexpr):
-    _consumer(x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr, M, N, K, inv_temp, STAGES, GROUP,
-              PROGRAMS, MODE, 1)
+def _consumer_odd(x_desc, w_desc, out_desc, x_bufs, w_bufs, out_bufs, ready, empty, done, max_ptr, sum_ptr, target_ptr,
+                  lse_ptr, M, N, K, inv_temp, scale, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                  PROGRAMS: gl.constexpr, MODE: gl.constexpr):
+    _consumer(x_desc, w_desc, out_desc, x_bufs, w_bufs, out_bufs, ready, empty, done, max_ptr, sum_ptr, target_ptr,
+              lse_ptr, M, N, K, inv_temp, scale, STAGES, GROUP, PROGRAMS, MODE, 1)
 
 
 @gluon.jit
-def _pingpong_stats_kernel(x_desc, w_desc, max_ptr, sum_ptr, M, N, K, inv_temp, STAGES: gl.constexpr,
-                           GROUP: gl.constexpr, PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           LOADER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr, MODE: gl.constexpr):
+def _pingpong_kernel(x_desc, w_desc, out_desc, max_ptr, sum_ptr, target_ptr, lse_ptr, M, N, K, inv_temp, scale,
+                     STAGES: gl.constexpr, GROUP: gl.constexpr, PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     LOADER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr, MODE: gl.constexpr):
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    # A store buffer per consumer for dz (mode 3); the other modes keep a token 8 rows.
+    OUT_ROWS: gl.constexpr = out_desc.block_type.shape[0] if MODE == 3 else 8
+    out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2, OUT_ROWS, out_desc.block_type.shape[1]], out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -142,29 +168,36 @@ def _pingpong_stats_kernel(x_desc, w_desc, max_ptr, sum_ptr, M, N, K, inv_temp, 
     for i in gl.static_range(2):
         mbarrier.init(done.index(i), count=1)
     gl.warp_specialize([
-        (_consumer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr, M, N, K, inv_temp, STAGES,
-                     GROUP, PROGRAMS, MODE, 0)),
-        (_consumer_odd, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr, M, N, K, inv_temp, STAGES,
-                         GROUP, PROGRAMS, MODE)),
-        (_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, done, max_ptr, sum_ptr, M, N, K, inv_temp, STAGES, GROUP,
-                   PROGRAMS, MODE)),
+        (_consumer, (x_desc, w_desc, out_desc, x_bufs, w_bufs, out_bufs, ready, empty, done, max_ptr, sum_ptr,
+                     target_ptr, lse_ptr, M, N, K, inv_temp, scale, STAGES, GROUP, PROGRAMS, MODE, 0)),
+        (_consumer_odd, (x_desc, w_desc, out_desc, x_bufs, w_bufs, out_bufs, ready, empty, done, max_ptr, sum_ptr,
+                         target_ptr, lse_ptr, M, N, K, inv_temp, scale, STAGES, GROUP, PROGRAMS, MODE)),
+        (_loader, (x_desc, w_desc, out_desc, x_bufs, w_bufs, out_bufs, ready, empty, done, max_ptr, sum_ptr, target_ptr,
+                   lse_ptr, M, N, K, inv_temp, scale, STAGES, GROUP, PROGRAMS, MODE)),
     ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
-def pingpong_stats(x, w, tile_max, tile_sum, inv_temp=1.0, stages=6, group=8, consumer_regs=232, loader_regs=40,
-                   loader_warps=1, mode=0):
-    """tile_max / tile_sum (n, cdiv(V, 128)) float32 of x (n, H) @ w (V, H)^T, bf16 or fp16."""
+def pingpong(x, w, tile_max=None, tile_sum=None, out=None, target=None, lse=None, scale=1.0, inv_temp=1.0,
+             tile=(128, 128), stages=6, group=8, consumer_regs=232, loader_regs=40, loader_warps=1, mode=0):
+    """x (n, H) @ w (V, H)^T, bf16 or fp16, and an epilogue by ``mode``: tile_max / tile_sum (n, cdiv(V,
+    tile[1])) float32 (0), or out (n, V) = scale (exp(z - lse) - onehot(target)) in x's dtype (3). A
+    consumer's tile (BM, BN) is 128 x 128 or 64 x 256 (one warpgroup's accumulator either way)."""
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    bm, bn, bk = BM.value, BN.value, BK.value
+    (bm, bn), bk = tile, BK.value
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dtype))
     w_desc = TensorDescriptor.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], dtype))
+    if out is None:
+        out = torch.empty(bm, bn, device=x.device, dtype=x.dtype)  # never written
+    out_desc = TensorDescriptor.from_tensor(out, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], dtype))
+    absent = x  # pointers the mode does not read
     n, vocab = x.shape[0], w.shape[0]
     programs = min(torch.cuda.get_device_properties(x.device).multi_processor_count,
                    triton.cdiv(n, bm) * triton.cdiv(vocab, bn))
     # 12 warps (default 4, consumer 4, loader 1 rounded to a warpgroup) share 64k registers: 168 each at launch.
-    return _pingpong_stats_kernel[(programs, )](x_desc, w_desc, tile_max, tile_sum, n, vocab, x.shape[1], inv_temp,
-                                                stages, group, programs, consumer_regs, loader_regs, loader_warps, mode,
-                                                num_warps=4, maxnreg=168)
+    return _pingpong_kernel[(programs, )](
+        x_desc, w_desc, out_desc, absent if tile_max is None else tile_max, absent if tile_sum is None else tile_sum,
+        absent if target is None else target, absent if lse is None else lse, n, vocab, x.shape[1], inv_temp, scale,
+        stages, group, programs, consumer_regs, loader_regs, loader_warps, mode, num_warps=4, maxnreg=168)
 
 
 # ------------------------------------------------------------------ the barrier protocol, modelled on the CPU
@@ -187,7 +220,8 @@ def protocol_model(ordered, stages=3, k_steps=4, tiles=7, seed=0):
     """The kernel's loader and two consumers as coroutines under a random schedule, the barriers as above.
     Returns (reads of a stage that did not hold the k-step asked for, whether the run hung)."""
     rnd = random.Random(seed)
-    ready, empty, done = [_Barrier() for _ in range(stages)], [_Barrier() for _ in range(stages)], [_Barrier(), _Barrier()]
+    ready, empty = [_Barrier() for _ in range(stages)], [_Barrier() for _ in range(stages)]
+    done = [_Barrier(), _Barrier()]
     holds, wrong = [None] * stages, []
 
     def loader():
@@ -242,49 +276,102 @@ def main():
 
     from common import median_of_rounds
 
-    from flce.kernels import logits_triton
-    from flce.options import LossOptions
-
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
     p.add_argument("--consumer-regs", type=int, default=232)
     p.add_argument("--loader-regs", type=int, default=40)
     p.add_argument("--loader-warps", type=int, default=1)
-    p.add_argument("--stages", type=int, default=6)
-    p.add_argument("--mode", type=int, default=0, help="0 ping-pong, 1 without statistics, 2 one consumer")
+    p.add_argument("--tile", default="128x128", help="a consumer's tile: 128x128 or 64x256")
+    p.add_argument("--group", type=int, default=8, help="row tiles sharing a W tile in L2")
+    p.add_argument("--stages", type=int, default=6, help="ring depth (64x256 fits 5)")
+    p.add_argument("--mode", type=int, default=0,
+                   help="0 ping-pong, 1 without statistics, 2 one consumer, 3 ping-pong storing dz")
     p.add_argument("--model", action="store_true", help="check the barrier protocol on the CPU, then stop")
     args = p.parse_args()
     if args.model:
         return check_protocol()
-    kw = dict(stages=args.stages, consumer_regs=args.consumer_regs, loader_regs=args.loader_regs,
-              loader_warps=args.loader_warps, mode=args.mode)
+    tile = tuple(int(v) for v in args.tile.split("x"))
+    kw = dict(tile=tile, group=args.group, stages=args.stages, consumer_regs=args.consumer_regs,
+              loader_regs=args.loader_regs, loader_warps=args.loader_warps, mode=args.mode)
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, kw, flush=True)
     for rows, hidden, vocab in (tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")):
         x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
         w = (torch.randn(vocab, hidden, device=device) * hidden ** -0.5 * 2).bfloat16()
         out = torch.empty(rows, vocab, device=device, dtype=torch.bfloat16)
-        want = (x.float() @ w.float().t()).logsumexp(1)
-        mx, se = torch.empty(2, rows, triton.cdiv(vocab, BN.value), device=device)
-        fmx, fse = torch.empty(2, rows, logits_triton.num_tiles(vocab), device=device)
-        kernel = pingpong_stats(x, w, mx, se, **kw)
-        top = mx.max(1, keepdim=True).values
-        err = ((top[:, 0] + (se * (mx - top).exp()).sum(1).log()) - want).abs().max().item()
-        print(f"{rows} x {hidden} x {vocab}: lse max error {err:.2e}; registers {kernel.n_regs}, spills "
-              f"{kernel.n_spills}, shared {kernel.metadata.shared} B", flush=True)
-        if not err < 1e-3:
-            print("  wrong result: not timed", flush=True)
+        logits = x.float() @ w.float().t()
+        lse = logits.logsumexp(1)
+        target = torch.randint(0, vocab, (rows, ), device=device)
+        if args.mode == 3:
+            cases = _gradient_cases(x, w, out, logits, lse, target, kw)
+        else:
+            cases = _statistics_cases(x, w, out, lse, kw, args)
+        del logits
+        if cases is None:
             continue
-        times = median_of_rounds({
-            "cuBLAS mm": lambda: torch.mm(x, w.t(), out=out),
-            "flce tile_stats (128 x 256, pipelined)": lambda: logits_triton.tile_stats(x, w, None, fmx, fse,
-                                                                                       LossOptions()),
-            "Gluon ping-pong (128 x 128)": lambda: pingpong_stats(x, w, mx, se, **kw),
-        }, device, reps=10)
+        times = median_of_rounds(cases, device, reps=10)
         for name, ms in times.items():
             print(f"  {name:40s} {ms:8.4f} ms  {ms / times['cuBLAS mm']:6.3f}x cuBLAS", flush=True)
-        del x, w, out, want
+        del x, w, out, cases
         torch.cuda.empty_cache()
+
+
+def _report(rows, hidden, vocab, what, err, kernel):
+    print(f"{rows} x {hidden} x {vocab}: {what} {err:.2e}; registers {kernel.n_regs}, spills {kernel.n_spills}, "
+          f"shared {kernel.metadata.shared} B", flush=True)
+
+
+def _statistics_cases(x, w, out, lse, kw, args):
+    """Modes 0-2 checked (lse from the tile statistics), then the callables to time."""
+    from flce.kernels import logits_triton
+    from flce.options import LossOptions
+
+    (rows, hidden), vocab = x.shape, w.shape[0]
+    mx, se = torch.full((2, rows, triton.cdiv(vocab, kw["tile"][1])), float("nan"), device=x.device)
+    fmx, fse = torch.empty(2, rows, logits_triton.num_tiles(vocab), device=x.device)
+    kernel = pingpong(x, w, mx, se, **kw)
+    top = mx.max(1, keepdim=True).values
+    err = ((top[:, 0] + (se * (mx - top).exp()).sum(1).log()) - lse).abs().max().item()
+    _report(rows, hidden, vocab, "lse max error", err, kernel)
+    if args.mode != 1 and not err < 1e-3:
+        print("  wrong result: not timed", flush=True)  # mode 1 writes nothing
+        return None
+    return {
+        "cuBLAS mm": lambda: torch.mm(x, w.t(), out=out),
+        "flce tile_stats (128 x 256, pipelined)": lambda: logits_triton.tile_stats(x, w, None, fmx, fse, LossOptions()),
+        f"Gluon ping-pong ({args.tile}, mode {args.mode})": lambda: pingpong(x, w, mx, se, **kw),
+    }
+
+
+def _gradient_cases(x, w, out, logits, lse, target, kw):
+    """Mode 3 checked against float32 (dz of the low-memory backward's block, the block being all of V),
+    then timed beside flce's block GEMM (``block_gemm_triton``) writing the same dz."""
+    from flce.kernels.block_gemm_triton import block_logits_grad_triton
+    from flce.kernels.ce_block_torch import RowTerms
+    from flce.options import LossOptions
+
+    (rows, hidden), vocab = x.shape, w.shape[0]
+    scale = 1.0 / rows
+    want = ((logits - lse[:, None]).exp() - torch.nn.functional.one_hot(target, vocab)) * scale
+    kernel = pingpong(x, w, out=out, target=target, lse=lse, scale=scale, **kw)
+    rounding = (want.bfloat16().float() - want).abs().max().item()
+    err = (out.float() - want).abs().max().item()
+    _report(rows, hidden, vocab, f"dz max error (bf16 rounding {rounding:.2e})", err, kernel)
+    terms = RowTerms(target, lse, None, None, torch.tensor(scale, device=x.device), exact_lse=True)
+    flce_out = torch.empty_like(out)
+    block_logits_grad_triton(x, w, None, flce_out, 0, vocab, terms, LossOptions())
+    print(f"  flce block GEMM dz max error {(flce_out.float() - want).abs().max().item():.2e}", flush=True)
+    del want
+    if not err < 4 * rounding + 1e-6:
+        print("  wrong result: not timed", flush=True)
+        return None
+    return {
+        "cuBLAS mm": lambda: torch.mm(x, w.t(), out=out),
+        "flce block GEMM (128 x 256, pipelined)": lambda: block_logits_grad_triton(
+            x, w, None, flce_out, 0, vocab, terms, LossOptions()),
+        f"Gluon ping-pong ({'x'.join(map(str, kw['tile']))}, dz)": lambda: pingpong(
+            x, w, out=out, target=target, lse=lse, scale=scale, **kw),
+    }
 
 
 if __name__ == "__main__":
