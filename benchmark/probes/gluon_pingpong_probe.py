@@ -1,4 +1,4 @@
-"""Probe: the logits GEMM's tile statistics from a hand-written warp-specialized ping-pong kernel (Gluon).
+"""Probe: the logits GEMM with its epilogue as a hand-written warp-specialized ping-pong kernel (Gluon).
 
 flce's Triton logits GEMM (``kernels/logits_triton.py``) runs its epilogue (max, exp and sums of each tile)
 between two tiles' MMAs: 3-7% above cuBLAS under sustained load, the gap NOTES names as the remaining lever
@@ -7,28 +7,30 @@ warp specialization did not close it (``ws_gemm_probe.py``). Here the schedule i
 CUTLASS's sm90 ping-pong kernels arrange it:
 
 - one loader warp issues the TMA loads of every tile of the program into a ring of ``STAGES`` shared
-  buffers (x rows and W rows, 128 x 64 each);
+  buffers (x rows and W rows, 64 columns of K each);
 - two consumer warpgroups take the program's tiles in turn (even and odd): each runs its tile's wgmmas
   from the ring, then its epilogue, which overlaps the other consumer's MMAs; a pair of barriers makes
   their mainloops alternate (without it a consumer waits on a stage two fills ahead, which an mbarrier's
   parity cannot tell from the fill before: the first version hung or faulted);
-- 128 x 128 tiles (a warpgroup's accumulator: 128 registers a thread); registers moved from the loader to
-  the consumers (``worker_num_regs``).
+- 128 x 128 or 64 x 256 tiles (a warpgroup's accumulator: 128 registers a thread); registers moved from the
+  loader to the consumers (``worker_num_regs``).
 
-The epilogue writes each row's max and sum of exp(z - max) over the tile's 128 logits (``STORE_NOTHING``
-of ``logits_triton``: a loss without gradients). Checked against torch (lse of float32 logits), then
-timed against cuBLAS's plain GEMM and flce's kernel (median of interleaved rounds). ``--mode`` bisects:
-1 drops the statistics, 2 gives every tile to one consumer (no ping-pong). GPU only (Hopper), but for
-``--model``, which runs the barrier protocol as coroutines under random schedules on the CPU:
+The epilogue writes each row's max and sum of exp(z - max) over the tile's logits (``STORE_NOTHING`` of
+``logits_triton``: a loss without gradients), or, in mode 3, the low-memory backward's dz = scale (exp(z - lse) -
+onehot) through a TMA store (``block_gemm_triton``). Checked against float32 torch, then timed against
+cuBLAS's plain GEMM and flce's kernel (median of interleaved rounds). ``--mode``: 0 the statistics, 1 none
+(and so no MMAs: not a timing), 2 every tile to one consumer (no ping-pong), 3 dz. GPU only (Hopper), but
+for ``--model``, which runs the barrier protocol as coroutines under random schedules on the CPU:
 
-    PYTHONPATH=src:benchmark python benchmark/probes/gluon_pingpong_probe.py [--mode 0|1|2] [--shapes ...]
+    PYTHONPATH=src:benchmark python benchmark/probes/gluon_pingpong_probe.py [--mode 0|1|2|3] [--tile 64x256]
     PYTHONPATH=src:benchmark python benchmark/probes/gluon_pingpong_probe.py --model
 
-Status (H100, ``results/2026-11-25-h100-c954f85/gluon_pingpong_7fd07f1.txt``): mode 2 is correct (lse within
-3.8e-6 of float32); the ping-pong modes of the first version hung (1) or faulted (0). The order barriers
-that fix the cause named above compile for sm_90 (12 warps, 168 registers at launch, no spills, 192 KiB of
-shared memory) and have not run on a GPU yet. ``--model``: the unordered protocol reads a stage before its
-load in 598 of 900 schedules (593 hang), the ordered one in none and never hangs.
+Status: the first two-consumer form hung or faulted on an H100
+(``results/2026-11-25-h100-c954f85/gluon_pingpong_7fd07f1.txt``); ``--model`` reproduces that on the CPU (the
+unordered protocol reads a stage before its load in 598 of 900 schedules, the ordered one in none). With the order
+barriers the kernel is correct on an H200 (``results/2026-11-25-h200-a8b06f6/gluon_pingpong_*.txt``) and
+slower than flce's 128 x 256 kernels except at 1024 rows and H 2048 with the statistics epilogue
+(benchmark/NOTES.md, The ceiling).
 """
 from __future__ import annotations
 
