@@ -15,7 +15,7 @@ block GEMM) with another tree's, in the same steps (DIR holds that tree's ``src/
 times the kernels alone (`results/2026-11-25-h100-1a6937c/ab_*.txt`). GPU only:
 
     PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7]
-        [--low-memory [--borrow]] [--base DIR] [--frozen-weight] [--autocast]
+        [--low-memory [--borrow]] [--base DIR] [--frozen-weight] [--autocast] [--min-rows 256]
 """
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ def main():
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--low-memory", action="store_true", help="flce's low_memory=True mode (its forward chunks)")
+    p.add_argument("--min-rows", type=int, default=None,
+                   help="the path's least chunk rows for the 'flce' variant (default: exp_logits.MIN_ROWS)")
     p.add_argument("--frozen-weight", action="store_true", help="grad_input alone (a frozen LM head)")
     p.add_argument("--borrow", action="store_true",
                    help="with --low-memory: backward blocks borrowing grad_weight's storage on / off")
@@ -90,7 +92,7 @@ def main():
                   patch.object(logits_triton, "logits_with_tile_stats", base["logits"])):
                 flce_step()
 
-        fns = {"floor": floor, "flce": variant(exp_logits.MIN_ROWS)}
+        fns = {"floor": floor, "flce": variant(a.min_rows or exp_logits.MIN_ROWS)}
         if a.borrow:
             fns["flce, buffer blocks only"] = buffer_blocks_only
         elif base is not None:
