@@ -132,7 +132,7 @@ def linear_cross_entropy(
     class_w = weight.to(acc).contiguous() if weight is not None else None
     weight_sum = class_w.sum() if class_w is not None else None
     kernel_counts = None
-    if not low_memory and _kernel_finishes_mean(plan, grad, reduction, class_w, num_items, acc, validate_target):
+    if not low_memory and _kernel_finishes_mean(plan, grad, reduction, class_w, num_items, acc):
         kernel_counts = counts = torch.zeros(3, dtype=torch.int64, device=t.device)
         scale = torch.empty((), dtype=torch.float32, device=t.device)  # written by the CE kernel
     else:
@@ -150,13 +150,16 @@ def linear_cross_entropy(
         plan = plan_for(x.shape[0])
     elif validate_target and n:
         pending = _TargetCheck(t, counts, vocab, opts.ignore_index, target)
-        pending.start()
+        if kernel_counts is None:
+            pending.start()
     spec = LoopSpec(opts, plan, dtype, backend, return_stats, kernel_counts)
     if grad:
         function = LowMemoryFunction if low_memory else LinearCrossEntropyFunction
         loss, lse, correct = function.apply(
             chunk_loop, spec, x, linear_weight, linear_bias, t, class_w, weight_sum, scale, pending)[:3]
         if pending is not None:
+            if kernel_counts is not None:
+                pending.start()  # the forward's CE kernel has queued the counts
             if not pending.done():
                 pending = None  # backward raises; meanwhile a bad row's loss is NaN (see _TargetCheck)
     else:  # nothing to differentiate: the loop computes the loss alone
@@ -229,14 +232,11 @@ class LinearCrossEntropyLoss(nn.Module):
         return ", ".join(shown)
 
 
-def _kernel_finishes_mean(plan: ChunkPlan | None, grad: bool, reduction: str, class_w, num_items, acc,
-                          validate_target: bool) -> bool:
-    """Whether the CE kernel can count the targets and finish the mean itself (``LoopSpec.counts``): a plain
-    float32 mean over one chunk in training, which spares a small, launch-bound batch the count's launch.
-    Only without the target check: the check's count is queued before the GEMMs, so that backward's wait
-    for its copy leaves the GPU the step's forward and backward to run, not backward alone."""
-    return (grad and not validate_target and plan is not None and plan.n_rows > 0 and plan.num_chunks == 1
-            and reduction == "mean" and class_w is None and num_items is None and acc == torch.float32)
+def _kernel_finishes_mean(plan: ChunkPlan | None, grad: bool, reduction: str, class_w, num_items, acc) -> bool:
+    """Whether the CE kernel counts the targets and finishes the mean itself (``LoopSpec.counts``): for a
+    plain float32 mean over one chunk in training, which spares a small, launch-bound batch three launches."""
+    return (grad and plan is not None and plan.n_rows > 0 and plan.num_chunks == 1 and reduction == "mean"
+            and class_w is None and num_items is None and acc == torch.float32)
 
 
 # Below this many tokens the GEMMs are passes over the weight whatever the row count, so dropping
