@@ -4,7 +4,9 @@ step, the variants alternating per round), reported as the median ms per step ov
 floor (three cuBLAS GEMMs) timed the same way. Results: `results/2026-11-24-h200-dcb7d1d/exp_logits_ab.txt`
 (H200) and `results/2026-11-24-h100-c4f27ea/exp_logits_ab_dcb7d1d.txt` (H100): at dcb7d1d 8192 rows 1.017
 against 1.024 (H200) and 1.015 against 1.029 (H100), 8192 x 2048 x 32000 1.059 / 1.072 and 1.064 / 1.084.
-``--low-memory`` (the mode's forward chunks, 4bf56f1): 8192 rows 1.364 / 1.402 (H200,
+``--min-rows 256``: the path below 1024 rows does not pay (256 rows 1.261 against 1.138 off, H200,
+`results/2026-11-25-h200-a8b06f6/exp_logits_min_rows_ab.txt`). ``--low-memory`` (the mode's forward chunks,
+4bf56f1): 8192 rows 1.364 / 1.402 (H200,
 `results/2026-11-24-h200-827518b/exp_logits_ab_low_memory.txt`) and 1.349 / 1.379 (H100,
 `exp_logits_ab_low_memory_4bf56f1.txt`). ``--frozen-weight`` measured the reverted chunk path (457c722). ``--low-memory --borrow`` compares the
 mode's backward blocks that borrow grad_weight's storage (``LowMemoryPlan.blocks``) with buffer-only blocks
