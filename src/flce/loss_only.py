@@ -8,8 +8,8 @@ both as the GEMM's epilogue applies them; label smoothing's sum_j c_j z_j from t
 ``smoothing_sums``). Against the chunked path (each chunk's logits
 stored, then read back by the CE kernel) this saves a write and a read of every logit (2 x 2.1 GB at
 8192 x 128256 in bf16) and runs one GEMM over all rows instead of one per 2048-row chunk; the loss is that
-of the unrounded logits. Options that need more of each row than its lse and target logit (label
-smoothing, the statistics' accuracy) keep the chunked path.
+of the unrounded logits. The accuracy statistics, and label smoothing where its sums do not pay
+(``_smoothing_pays``), keep the chunked path.
 """
 
 from __future__ import annotations
