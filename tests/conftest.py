@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from flce.kernels import triton_available  # noqa: E402
+from flce.kernels import nvidia_major, triton_available  # noqa: E402
 
 # Fuzzing budgets: "default" keeps the whole suite within minutes on two CPU cores (Triton under the
 # interpreter) and draws the same examples on every run (a CI failure is reproducible, never flaky);
@@ -36,7 +36,8 @@ def backend(request):
     return request.param
 
 
-ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+# The library's own gate (a ROCm build reports its gfx version as a capability).
+ON_HOPPER = torch.cuda.is_available() and nvidia_major(torch.device("cuda")) >= 9
 # The dtype the Hopper GEMM's tests run in: bf16 on Hopper, float16 under the interpreter (which reads bf16
 # through tensor descriptors wrongly).
 HOPPER_DTYPE = torch.bfloat16 if ON_HOPPER else torch.float16

@@ -6,6 +6,7 @@ interpreter reads bfloat16 through tensor descriptors wrongly. On a Hopper GPU i
 
 import pytest
 import torch
+from conftest import DEVICE, ON_HOPPER
 from reference import TOL, rel_err, reference_loss
 from test_api import check
 
@@ -13,11 +14,9 @@ import flce
 from flce.kernels import ce_chunk, triton_available
 from flce.options import LossOptions
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="triton cannot run here")
 
 lt = pytest.importorskip("flce.kernels.logits_triton")
-ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 DTYPES = [torch.float16, torch.bfloat16] if ON_HOPPER else [torch.float16]
 OPTIONS = [
     LossOptions(),

@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from conftest import DEVICE, ON_HOPPER
 from reference import TOL, assert_close, chunked_reference_grads, reference_loss, rel_err
 from test_api import OPTION_SETS, make_case
 from test_api import check as api_check
@@ -16,8 +17,6 @@ from flce.kernels import triton_available
 from flce.kernels.ce_block_torch import RowTerms, ce_block_torch
 from flce.options import LossOptions
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 @pytest.fixture
