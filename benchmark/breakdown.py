@@ -87,7 +87,7 @@ def stages(bt, hidden, vocab, dtype=torch.bfloat16):
 
     buf.normal_()
     out["floor_ms"] = median_ms(floor) if big is not None else float("nan")
-    del big
+    big = None  # frees the logits-sized buffer before the flce steps (floor reads it no more)
     out["flce_ms"] = median_ms(flce_step)
     out["flce_unchecked_ms"] = median_ms(unchecked_step)
     if plan.num_chunks > 1:  # what twice the chunk height (and buffer memory) would buy

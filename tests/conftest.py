@@ -77,6 +77,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _release_gpu_cache():
+    """Each test hands its cached GPU memory back: workers sharing one card (pytest -n) would otherwise
+    hold tens of GB each and starve the Mixtral-size experts cases."""
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def capture_graph(step, before_capture=None):
     """Warm ``step`` up twice on a side stream (as torch.cuda.graphs asks), run ``before_capture`` if
     given, then capture one call of ``step``. Returns (graph, what the captured call returned)."""

@@ -234,7 +234,7 @@ def reference_block(logits, col_start, vocab, terms, opts):
     z = logits.double() / opts.temperature
     if opts.softcap is not None:
         z = opts.softcap * torch.tanh(z / opts.softcap)
-    eps, n, cols = opts.label_smoothing, *logits.shape
+    eps, cols = opts.label_smoothing, logits.shape[1]
     w = cw.double() if cw is not None else torch.ones(vocab, dtype=torch.float64, device=logits.device)
     valid = target != opts.ignore_index
     y = target.clamp(0, vocab - 1)

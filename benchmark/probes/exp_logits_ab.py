@@ -10,14 +10,15 @@ against 1.024 (H200) and 1.015 against 1.029 (H100), 8192 x 2048 x 32000 1.059 /
 `results/2026-11-24-h200-827518b/exp_logits_ab_low_memory.txt`) and 1.349 / 1.379 (H100,
 `exp_logits_ab_low_memory_4bf56f1.txt`). ``--frozen-weight`` measured the reverted chunk path (457c722). ``--low-memory --borrow`` compares the
 mode's backward blocks that borrow grad_weight's storage (``LowMemoryPlan.blocks``) with buffer-only blocks
-instead of the exp-logits path; ``--autocast`` runs flce on float32 leaves under bf16 autocast.
+instead of the exp-logits path; ``--autocast`` runs flce on float32 leaves under bf16 autocast. ``--chunk-sizes`` times flce with fixed chunk
+heights beside the default plan, each with its peak memory.
 ``--base DIR`` compares this tree's Hopper GEMM kernels (the logits GEMM and the low-memory mode's fused
 block GEMM) with another tree's, in the same steps (DIR holds that tree's ``src/flce`` copied as
 ``flce_base``: ``mkdir .ab && git archive REV src/flce | tar -x -C .ab && mv .ab/src/flce .ab/flce_base``), and
 times the kernels alone (`results/2026-11-25-h100-1a6937c/ab_*.txt`). GPU only:
 
     PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7]
-        [--low-memory [--borrow]] [--base DIR] [--frozen-weight] [--autocast] [--min-rows 256]
+        [--low-memory [--borrow]] [--base DIR] [--frozen-weight] [--autocast] [--min-rows 256] [--chunk-sizes 8192]
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def main():
                    help="with --low-memory: backward blocks borrowing grad_weight's storage on / off")
     p.add_argument("--autocast", action="store_true",
                    help="float32 input and weight, flce under bf16 autocast (fp32 master weights; the floor stays bf16)")
+    p.add_argument("--chunk-sizes", default=None,
+                   help="comma-separated chunk_size values: flce with each, beside the default plan (its peak memory too)")
     p.add_argument("--base", default=None,
                    help="a folder holding another tree's src/flce as flce_base: its Hopper GEMM kernels against this tree's")
     a = p.parse_args()
@@ -70,12 +73,12 @@ def main():
         leaf_dtype = torch.float32 if a.autocast else torch.bfloat16
         x_leaf, w_leaf = x.to(leaf_dtype), w.to(leaf_dtype)
 
-        def flce_step():
+        def flce_step(chunk_size=None):
             xl, wl = x_leaf.detach().requires_grad_(), w_leaf.detach().requires_grad_(not a.frozen_weight)
             leaves = (xl,) if a.frozen_weight else (xl, wl)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.autocast):
-                loss = flce.linear_cross_entropy(xl, wl, t, low_memory=a.low_memory)
-            torch.autograd.grad(loss, leaves)
+                loss = flce.linear_cross_entropy(xl, wl, t, low_memory=a.low_memory, chunk_size=chunk_size)
+            return torch.autograd.grad(loss, leaves)
 
         def variant(min_rows):
             def run():
@@ -95,7 +98,10 @@ def main():
                 flce_step()
 
         fns = {"floor": floor, "flce": variant(a.min_rows or exp_logits.MIN_ROWS)}
-        if a.borrow:
+        if a.chunk_sizes:
+            for cs in map(int, a.chunk_sizes.split(",")):
+                fns[f"flce, chunk_size={cs}"] = lambda cs=cs: flce_step(cs)
+        elif a.borrow:
             fns["flce, buffer blocks only"] = buffer_blocks_only
         elif base is not None:
             fns["flce, base kernels"] = base_kernels
@@ -118,8 +124,19 @@ def main():
         floor_ms = statistics.median(times["floor"])
         for name, v in times.items():
             ms = statistics.median(v)
-            print(f"{spec} {name:22s} {ms:8.3f} ms  x_floor {ms / floor_ms:.3f}  (rounds {min(v):.3f}-{max(v):.3f})",
-                  flush=True)
+            print(f"{spec} {name:22s} {ms:8.3f} ms  x_floor {ms / floor_ms:.3f}  (rounds {min(v):.3f}-{max(v):.3f})"
+                  f"  peak {_peak_mib(fns[name]):7.0f} MiB above the inputs", flush=True)
+
+
+def _peak_mib(fn) -> float:
+    """Peak MiB allocated during one call above what was allocated before it (what it returns included)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    del result
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def _base_kernels(folder: str) -> dict:
