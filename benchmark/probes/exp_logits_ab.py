@@ -11,8 +11,7 @@ against 1.024 (H200) and 1.015 against 1.029 (H100), 8192 x 2048 x 32000 1.059 /
 `exp_logits_ab_low_memory_4bf56f1.txt`). ``--frozen-weight`` measured the reverted chunk path (457c722). ``--low-memory --borrow`` compares the
 mode's backward blocks that borrow grad_weight's storage (``LowMemoryPlan.blocks``) with buffer-only blocks
 instead of the exp-logits path; ``--autocast`` runs flce on float32 leaves under bf16 autocast. ``--chunk-sizes`` times flce with fixed chunk
-heights beside the default plan, each with its peak memory; ``--reduce-add`` turns the weight-gradient updates
-through TMA reduce-adds (``kernels/weight_grad_triton.py``) off for comparison.
+heights beside the default plan, each with its peak memory.
 ``--base DIR`` compares this tree's Hopper GEMM kernels (the logits GEMM and the low-memory mode's fused
 block GEMM) with another tree's, in the same steps (DIR holds that tree's ``src/flce`` copied as
 ``flce_base``: ``mkdir .ab && git archive REV src/flce | tar -x -C .ab && mv .ab/src/flce .ab/flce_base``), and
@@ -20,7 +19,6 @@ times the kernels alone (`results/2026-11-25-h100-1a6937c/ab_*.txt`). GPU only:
 
     PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7]
         [--low-memory [--borrow]] [--base DIR] [--frozen-weight] [--autocast] [--min-rows 256] [--chunk-sizes 8192]
-        [--reduce-add]
 """
 from __future__ import annotations
 
@@ -37,7 +35,7 @@ import torch
 import flce
 import flce.low_memory as low_memory
 from flce import exp_logits
-from flce.kernels import block_gemm_triton, logits_triton, weight_grad_triton
+from flce.kernels import block_gemm_triton, logits_triton
 
 
 def main():
@@ -55,8 +53,6 @@ def main():
                    help="float32 input and weight, flce under bf16 autocast (fp32 master weights; the floor stays bf16)")
     p.add_argument("--chunk-sizes", default=None,
                    help="comma-separated chunk_size values: flce with each, beside the default plan (its peak memory too)")
-    p.add_argument("--reduce-add", action="store_true",
-                   help="flce with the weight-gradient updates through TMA reduce-adds (kernels/weight_grad_triton.py) on / off")
     p.add_argument("--base", default=None,
                    help="a folder holding another tree's src/flce as flce_base: its Hopper GEMM kernels against this tree's")
     a = p.parse_args()
@@ -102,13 +98,7 @@ def main():
                 flce_step()
 
         fns = {"floor": floor, "flce": variant(a.min_rows or exp_logits.MIN_ROWS)}
-        def reduce_add_off():
-            with patch.object(weight_grad_triton, "MIN_ROWS", 1 << 62):
-                flce_step()
-
-        if a.reduce_add:
-            fns["flce, reduce-add off"] = reduce_add_off
-        elif a.chunk_sizes:
+        if a.chunk_sizes:
             for cs in map(int, a.chunk_sizes.split(",")):
                 fns[f"flce, chunk_size={cs}"] = lambda cs=cs: flce_step(cs)
         elif a.borrow:

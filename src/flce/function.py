@@ -94,25 +94,14 @@ class LoopSpec(NamedTuple):
     entry: str = "flce.linear_cross_entropy"
 
 
-def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool, backend: str) -> None:
-    """grad_input[rows] = dl @ w; grad_weight (+)= dl^T @ x_c; grad_bias += dl summed over rows. A float32
-    accumulator on Hopper takes its later updates through TMA reduce-adds (``kernels.weight_grad_triton``)."""
+def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool) -> None:
+    """grad_input[rows] = dl @ w; grad_weight (+)= dl^T @ x_c; grad_bias += dl summed over rows."""
     if grads.input is not None:
         mm_into(_take(grads.input, rows), dl, w, accumulate=False)
     if grads.weight is not None:
-        _weight_grad_into(grads.weight, dl, x_c, accumulate, backend)
+        mm_into(grads.weight, dl.t(), x_c, accumulate=accumulate)
     if grads.bias is not None:
         grads.bias += dl.sum(0, dtype=grads.bias.dtype)
-
-
-def _weight_grad_into(out: torch.Tensor, dl: torch.Tensor, x_c: torch.Tensor, accumulate: bool, backend: str) -> None:
-    """out (+)= dl^T @ x_c: (V, H) from dl (n, V) and x_c (n, H)."""
-    if accumulate and backend == "triton":
-        from .kernels import weight_grad_triton
-
-        if weight_grad_triton.supported(out, dl, x_c):
-            return weight_grad_triton.add_weight_grad(out, dl, x_c)
-    mm_into(out, dl.t(), x_c, accumulate=accumulate)
 
 
 def chunk_loop(
@@ -198,7 +187,7 @@ def chunk_loop(
                  _take(grad_scale, rows) if row_scale else grad_scale, opts, counts, parts.total, tile_stats)
         if defer:
             return parts, PendingGrads(dlogits=logits, x=x_c, w=w, scale=None if counts is None else grad_scale)
-        gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0, backend=backend)
+        gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0)
     if misses is not None:
         grads.window = exp_logits.WindowCheck(misses)
     return parts, grads

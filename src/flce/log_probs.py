@@ -255,7 +255,7 @@ def chunk_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         if grad is not None:
             kernels.row_grad(spec.backend, logits, target[rows], *(None if t is None else t[rows] for t in grad),
                              spec.tf)
-            gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0, backend=spec.backend)
+            gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0)
     return grads
 
 
