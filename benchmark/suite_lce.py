@@ -161,6 +161,14 @@ def _quack(x, w, t):
     return chunked_linear_cross_entropy(x, w, t, use_scaled_exp=False)
 
 
+def _quack_default(x, w, t):
+    """quack-kernels' chunked linear cross-entropy at its defaults, as a user calls it: the scaled-exp
+    pipeline wherever quack finds it eligible (an sm90 GPU, bf16, V % 128 == 0, ...), else the base one."""
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+    return chunked_linear_cross_entropy(x, w, t)
+
+
 def _trl(x, w, t):
     """TRL's fused LM head (``trl.kernels.ChunkedLogProbFunction``) as its trainer calls it: the valid rows'
     per-token log-probabilities (rows picked on a GPU, masked elsewhere), loss = -their mean. Taken from
@@ -206,6 +214,7 @@ METHODS: dict[str, LossFn | None] = {
     "liger": _liger,
     "cce": _cce,
     "quack": _quack,
+    "quack-default": _quack_default,
     "trl": _trl,
     FLOOR: None,  # timed by _floor_fn
 }
@@ -219,6 +228,7 @@ UNAVAILABLE: dict[str, Callable[[torch.device], str | None]] = {
     "liger": _missing("liger_kernel"),
     "cce": _missing("cut_cross_entropy"),
     "quack": _missing("quack", imports="quack.linear_cross_entropy"),
+    "quack-default": _missing("quack", imports="quack.linear_cross_entropy"),
     "trl": _missing("trl", cuda_only=False, imports="trl.kernels.chunked_logprob"),
 }
 
