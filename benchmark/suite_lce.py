@@ -155,7 +155,8 @@ def _cce(x, w, t):
 
 def _quack(x, w, t):
     """quack-kernels' chunked linear cross-entropy, its base pipeline (logits GEMM, row kernel, two GEMMs
-    per chunk; ``use_scaled_exp=False``: the scaled-exp pipeline failed at H=4096)."""
+    per chunk; ``use_scaled_exp=False``: at H = 4096 quack 0.6.5's scaled-exp pipeline raises, see
+    ``quack-default``)."""
     from quack.linear_cross_entropy import chunked_linear_cross_entropy
 
     return chunked_linear_cross_entropy(x, w, t, use_scaled_exp=False)

@@ -10,15 +10,18 @@ against 1.024 (H200) and 1.015 against 1.029 (H100), 8192 x 2048 x 32000 1.059 /
 `results/2026-11-24-h200-827518b/exp_logits_ab_low_memory.txt`) and 1.349 / 1.379 (H100,
 `exp_logits_ab_low_memory_4bf56f1.txt`). ``--frozen-weight`` measured the reverted chunk path (457c722). ``--low-memory --borrow`` compares the
 mode's backward blocks that borrow grad_weight's storage (``LowMemoryPlan.blocks``) with buffer-only blocks
-instead of the exp-logits path; ``--autocast`` runs flce on float32 leaves under bf16 autocast. ``--chunk-sizes`` times flce with fixed chunk
-heights beside the default plan, each with its peak memory.
+instead of the exp-logits path; ``--autocast`` runs flce on float32 leaves under bf16 autocast.
+``--chunk-sizes`` times flce with fixed chunk heights beside the default plan, each with its peak memory
+(`results/2026-11-26-h200-5ebccd8/chunk_size_ab_5ebccd8.txt`: within the spread at 32768 rows; one chunk at
+16384 rows 1.009 against 1.029, 1.7 GB more).
 ``--base DIR`` compares this tree's Hopper GEMM kernels (the logits GEMM and the low-memory mode's fused
 block GEMM) with another tree's, in the same steps (DIR holds that tree's ``src/flce`` copied as
 ``flce_base``: ``mkdir .ab && git archive REV src/flce | tar -x -C .ab && mv .ab/src/flce .ab/flce_base``), and
 times the kernels alone (`results/2026-11-25-h100-1a6937c/ab_*.txt`). GPU only:
 
     PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7]
-        [--low-memory [--borrow]] [--base DIR] [--frozen-weight] [--autocast] [--min-rows 256] [--chunk-sizes 8192]
+        [--low-memory [--borrow]] [--base DIR] [--frozen-weight] [--autocast] [--min-rows 256]
+        [--chunk-sizes 8192,16384]
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ def main():
     p.add_argument("--autocast", action="store_true",
                    help="float32 input and weight, flce under bf16 autocast (fp32 master weights; the floor stays bf16)")
     p.add_argument("--chunk-sizes", default=None,
-                   help="comma-separated chunk_size values: flce with each, beside the default plan (its peak memory too)")
+                   help="comma-separated chunk_size values: flce with each beside the default plan, with peak memory")
     p.add_argument("--base", default=None,
                    help="a folder holding another tree's src/flce as flce_base: its Hopper GEMM kernels against this tree's")
     a = p.parse_args()
