@@ -7,7 +7,8 @@ expert 0, as an unbalanced router does). Methods:
 - ``eager``, ``grouped_mm``: transformers' backends (the per-expert loop and its grouped-GEMM default).
 - ``flce``: the registered backend, GEMM path chosen by measurement per shape.
 - ``flce:triton``, ``flce:triton_tma``, ``flce:grouped_mm``: the same with the GEMM path forced (CUDA
-  only; see ``flce.kernels.experts_dispatch``).
+  only; see ``flce.kernels.experts_dispatch``); ``flce:loop``: one cuBLAS ``mm`` per expert after reading the
+  offsets on the host (a sync per call: not graph-safe, so ``auto`` never takes it).
 
 "fwd" runs under no_grad; "fwd+bwd" returns the gradients of the hidden states, the routing weights and
 both expert weights (``torch.autograd.grad``). FLOPs: ``6 S H I`` forward with S = T k token-expert
@@ -33,7 +34,7 @@ from common import add_speedup, make_row, measure, plot_lines, progress, wanted
 NAME = "experts"
 COLUMNS = ["method", "mode", "shape", "routing", "median_ms", "tflops", "x_grouped_mm", "peak_mb", "paths",
            "status"]
-LAYER_METHODS = ("eager", "grouped_mm", "flce", "flce:triton", "flce:triton_tma", "flce:grouped_mm")
+LAYER_METHODS = ("eager", "grouped_mm", "flce", "flce:triton", "flce:triton_tma", "flce:grouped_mm", "flce:loop")
 GEMM_PATHS = ("triton", "triton_tma", "grouped_mm", "cublas")
 ROLES = ("up", "down", "down_dgrad", "down_wgrad", "up_wgrad", "up_dgrad")
 _ROLE_PATHS = {role: set(GEMM_PATHS) - ({"triton_tma"} if role.endswith("wgrad") else set()) for role in ROLES}
