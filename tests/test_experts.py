@@ -337,7 +337,7 @@ def test_device_paths_never_read_routing_on_the_host(monkeypatch, gemm):
 
 # ------------------------------------------------------------------------------------ GPU
 
-GPU_PATHS = ["auto", "triton", "triton_tma", "grouped_mm"]
+GPU_PATHS = ["auto", "triton", "triton_tma", "grouped_mm", "loop"]
 
 
 def _gpu_path_ok(gemm, dtype=torch.bfloat16):
