@@ -467,3 +467,22 @@ def test_timing_rounds_interleave_candidates_and_drop_failures(monkeypatch):
         timings = dispatch._time_all(fns, ("rows",))
     assert timings == {"a": 1, "b": 2}
     assert order[3:9] == list("abbabb")  # after one warm call each, the rounds alternate
+
+
+def test_loop_path_reads_the_offsets_once_per_layer_call(monkeypatch):
+    """The loop path's six GEMMs share one host copy of the offsets (forward's, kept through backward), and an
+    in-place change of the offsets is seen (the copy is checked against the tensor's version)."""
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.numel()) or real(t))
+    x, ids, weights, gate_up, down = make_case(20, 8, 12, 4, 2, torch.float64, "cpu")
+    out = fx.experts_forward(x, ids, weights, gate_up, down, gemm="loop", elementwise="torch")
+    torch.autograd.grad(out, (x, weights, gate_up, down), torch.randn_like(out))
+    assert reads.count(5) == 1  # E + 1 = 5 offsets, read once for the two forward and four backward GEMMs
+    offsets = torch.tensor([0, 2, 2, 5])
+    a, w = torch.randn(5, 3, dtype=torch.float64), torch.randn(3, 3, 4, dtype=torch.float64)
+    first = experts_torch.grouped_rows_loop(a, w, offsets)
+    offsets[1:3] = 4  # in place: the first expert now owns rows 0-3, the third row 4
+    second = experts_torch.grouped_rows_loop(a, w, offsets)
+    assert torch.equal(second[:4], a[:4] @ w[0]) and torch.equal(second[4:], a[4:] @ w[2])
+    assert not torch.equal(first, second)

@@ -17,7 +17,14 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _segments(offsets: torch.Tensor):
-    bounds = offsets.tolist()
+    """(expert, start, end) of every expert with rows. The host copy of ``offsets`` is kept on the tensor, checked
+    against its version counter: a layer's six GEMMs share one offsets tensor (backward gets it back from
+    ``save_for_backward``), so the loop syncs once per layer call instead of once per GEMM."""
+    cached = getattr(offsets, "_flce_host_bounds", None)
+    if cached is None or cached[0] != offsets._version:
+        cached = (offsets._version, offsets.tolist())
+        offsets._flce_host_bounds = cached
+    bounds = cached[1]
     return [(e, start, end) for e, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
 
 
