@@ -8,7 +8,8 @@ GEMM paths (see ``experts_triton`` / ``experts_torch``):
 - ``"grouped_mm"``: torch's grouped GEMM (CUTLASS on sm90/sm100, bfloat16 only on CUDA).
 - ``"loop"``: one ``mm`` per expert after reading the offsets on the host (exact, any dtype; a host sync
   on CUDA, once per layer call, so not graph-safe; the CPU default and the CUDA fallback for other dtypes;
-  on an H200 the fastest path for Mixtral's shapes from T = 1024 tokens, benchmark/NOTES.md, Experts).
+  at Mixtral's shapes on an H200 level with ``auto`` at T = 1024 tokens and faster from T = 4096,
+  benchmark/NOTES.md, Experts).
 - ``"auto"``: on CUDA, every graph-safe path that can run is timed once per problem (role, dtypes,
   sizes, rows rounded to a power of two) and the fastest is kept: cuBLAS-style grouped GEMMs are known
   to pick poor tile plans at some shapes, so nothing is assumed. While a CUDA graph is being captured
