@@ -18,7 +18,6 @@ from flce.kernels.ce_block_torch import RowTerms, ce_block_torch
 from flce.options import LossOptions
 
 
-
 @pytest.fixture
 def blocks(monkeypatch):
     """Backward blocks of ``cols`` vocabulary columns (default 64) on these small shapes."""
