@@ -291,22 +291,55 @@ def test_bad_input_raises_clear_errors(bad, error):
         flce.experts_forward(**bad(args))
 
 
-def test_auto_dispatch_measures_once_and_keeps_the_fastest(monkeypatch):
-    """'auto' times every candidate once per key, keeps the fastest, and times nothing while capturing."""
-    timings = {"triton": 2.0, "grouped_mm": 1.0}
+def _fake_timings(monkeypatch, timings, *, eager=True, sync_mode=0):
+    """_pick's measuring replaced: each candidate 'runs' (is recorded) and takes its entry of ``timings``."""
     calls = []
-    monkeypatch.setattr(dispatch, "_choices", {})
-    monkeypatch.setattr(dispatch, "_can_measure", lambda device: True)
+    monkeypatch.setattr(dispatch, "_rankings", {})
+    monkeypatch.setattr(dispatch, "_can_measure", lambda device: eager)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: sync_mode)
     monkeypatch.setattr(dispatch, "_time_all", lambda fns, key: {
         name: (calls.append(fn()), timings[calls[-1]])[1] for name, fn in fns.items()})
-    run = lambda name: name  # noqa: E731
-    key = ("rows", "k")
-    assert dispatch._pick(key, ["triton", "grouped_mm"], run, torch.device("cpu")) == "grouped_mm"
-    assert dispatch._pick(key, ["triton", "grouped_mm"], run, torch.device("cpu")) == "grouped_mm"
-    assert calls == ["triton", "grouped_mm"]  # measured once
+    return calls
+
+
+def _pick(key, candidates=("triton", "grouped_mm")):
+    return dispatch._pick(key, list(candidates), lambda name: name, torch.device("cpu"))
+
+
+def test_auto_dispatch_measures_once_and_keeps_the_fastest(monkeypatch):
+    """'auto' times every candidate once per key, keeps the fastest, and times nothing while capturing."""
+    calls = _fake_timings(monkeypatch, {"triton": 2.0, "grouped_mm": 1.5, "loop": 1.9})
+    assert _pick(("rows", "k")) == "grouped_mm"
+    assert _pick(("rows", "k")) == "grouped_mm"
+    assert calls == ["triton", "grouped_mm", "loop"]  # measured once
+    assert dispatch.chosen_paths() == {("rows", "k"): "grouped_mm"}
     monkeypatch.setattr(dispatch, "_can_measure", lambda device: False)
-    assert dispatch._pick(("rows", "other"), ["triton", "grouped_mm"], run, torch.device("cpu")) == "triton"
-    assert ("rows", "other") not in dispatch._choices
+    assert _pick(("rows", "other")) == "triton"
+    assert ("rows", "other") not in dispatch._rankings
+
+
+@pytest.mark.parametrize("fastest_safe, loop, expected", [
+    (2.0, 1.8, "loop"),  # a long GEMM: the faster per-expert loop is kept
+    (0.5, 0.4, "grouped_mm"),  # below LOOP_MIN_MS the loop's sync and launches are not worth it
+    (2.0, 2.5, "grouped_mm"),
+])
+def test_auto_keeps_the_loop_only_for_long_gemms(monkeypatch, fastest_safe, loop, expected):
+    monkeypatch.setattr(dispatch, "LOOP_MIN_MS", 1.0)
+    _fake_timings(monkeypatch, {"triton": 3.0, "grouped_mm": fastest_safe, "loop": loop})
+    assert _pick(("rows", "k")) == expected
+
+
+def test_auto_never_syncs_where_a_sync_is_unwanted(monkeypatch):
+    """A loop measured fastest gives way to the fastest graph-safe path while capturing or compiling (no
+    timing then either), and is not even timed under torch.cuda.set_sync_debug_mode."""
+    timings = {"triton": 3.0, "grouped_mm": 2.0, "loop": 1.0}
+    _fake_timings(monkeypatch, timings)
+    assert _pick(("rows", "k")) == "loop"
+    monkeypatch.setattr(dispatch, "_can_measure", lambda device: False)  # capturing / compiling
+    assert _pick(("rows", "k")) == "grouped_mm"
+    calls = _fake_timings(monkeypatch, timings, sync_mode=1)
+    assert _pick(("rows", "k")) == "grouped_mm"
+    assert "loop" not in calls
 
 
 def test_auto_on_cpu_is_the_exact_loop():
@@ -388,11 +421,19 @@ def test_gpu_mixtral_shapes_as_precise_as_eager(gemm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemm", ["triton", "triton_tma", "grouped_mm"])
-def test_gpu_cuda_graph_capture_and_replay(gemm):
-    """Capture forward + backward once, replay on new routing: equals an uncaptured run on that routing."""
+@pytest.mark.parametrize("gemm", ["triton", "triton_tma", "grouped_mm", "auto"])
+def test_gpu_cuda_graph_capture_and_replay(gemm, monkeypatch):
+    """Capture forward + backward once, replay on new routing: equals an uncaptured run on that routing.
+    'auto' is made to measure the host-syncing loop fastest for every GEMM: the eager warm-up runs it,
+    the capture takes the fastest graph-safe path."""
     if not _gpu_path_ok(gemm):
         pytest.skip(f"{gemm} unavailable on this GPU")
+    if gemm == "auto":
+        real = dispatch._time_all
+        monkeypatch.setattr(dispatch, "_rankings", {})
+        monkeypatch.setattr(dispatch, "LOOP_MIN_MS", 0.0)
+        monkeypatch.setattr(dispatch, "_time_all", lambda fns, key: {**real(fns, key), **dict.fromkeys(
+            {"loop"} & fns.keys(), 0.0)})
     tokens, hidden, inter, experts, top_k = 512, 256, 384, 8, 2
     x, ids, weights, gate_up, down = make_case(tokens, hidden, inter, experts, top_k, torch.bfloat16, "cuda")
     static_ids, static_w, static_g = ids.clone(), weights.detach().clone().requires_grad_(), torch.randn_like(x)
@@ -412,7 +453,9 @@ def test_gpu_cuda_graph_capture_and_replay(gemm):
         torch.cuda.synchronize()
         expected = step()
         for name, got, want in zip(("out", "x", "weights", "gate_up", "down"), captured, expected):
-            assert_close(got, want, 1e-6, f"{case}: {name}")
+            assert_close(got, want, 1e-6 if gemm != "auto" else 2e-2, f"{case}: {name}")
+    if gemm == "auto":
+        assert set(dispatch.chosen_paths().values()) == {"loop"}
 
 
 @pytest.mark.gpu
@@ -467,6 +510,17 @@ def test_timing_rounds_interleave_candidates_and_drop_failures(monkeypatch):
         timings = dispatch._time_all(fns, ("rows",))
     assert timings == {"a": 1, "b": 2}
     assert order[3:9] == list("abbabb")  # after one warm call each, the rounds alternate
+
+
+def test_loop_weight_gradient_is_zero_for_experts_without_rows(monkeypatch):
+    """The loop writes each expert's gradient into uninitialised memory and zeroes only the empty ones."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    a, b = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    out = experts_torch.grouped_wgrad_loop(a, b, torch.tensor([0, 2, 2, 5, 5]))
+    assert torch.equal(out[1], torch.zeros(3, 4, dtype=torch.float64)) and torch.equal(out[3], out[1])
+    assert_close(out[0], a[:2].t() @ b[:2], 1e-12, "expert 0")
+    assert_close(out[2], a[2:].t() @ b[2:], 1e-12, "expert 2")
 
 
 def test_loop_path_reads_the_offsets_once_per_layer_call(monkeypatch):

@@ -6,8 +6,9 @@ from ``ExpertsInterface`` as ``fn(experts, hidden_states (T, H), top_k_index (T,
 (T, k))``. Importing flce registers this one, before or after transformers:
 ``model.set_experts_implementation("flce")``.
 
-One autograd Function, every step on the device (no host sync, every shape fixed by T and k, so the
-layer can be captured in a CUDA graph):
+One autograd Function, every step on the device (every shape fixed by T and k, so the layer can be
+captured in a CUDA graph; outside capture ``auto`` may take a per-expert cuBLAS loop for large GEMMs,
+at one host sync per layer call, see ``flce.kernels.experts_dispatch``):
 
 1. sort the S = T * k token-expert pairs by expert; ``offsets`` by ``searchsorted``. Pairs whose expert
    id is outside [0, E) (expert-parallel sentinels) sort last and are dropped.
@@ -23,8 +24,8 @@ gradients as expert-grouped GEMMs, ``dxs = dh @ gate_up[e]`` and its float32 sum
 Saved for backward: ``xs``, ``h`` and (only when the routing weights need a gradient) ``y``.
 
 Each GEMM runs on the path measured fastest for its shape (flce's Triton grouped GEMMs, with or
-without TMA loads, or torch's grouped_mm; see ``flce.kernels.experts_dispatch``); set
-``FLCE_EXPERTS_GEMM`` to force one.
+without TMA loads, torch's grouped_mm, or for large GEMMs outside capture one cuBLAS GEMM per expert;
+see ``flce.kernels.experts_dispatch``); set ``FLCE_EXPERTS_GEMM`` to force one.
 """
 
 from __future__ import annotations

@@ -7,14 +7,16 @@ GEMM paths (see ``experts_triton`` / ``experts_torch``):
   GEMMs, whose rows are cut at expert boundaries, stay on ``"triton"``).
 - ``"grouped_mm"``: torch's grouped GEMM (CUTLASS on sm90/sm100, bfloat16 only on CUDA).
 - ``"loop"``: one ``mm`` per expert after reading the offsets on the host (exact, any dtype; a host sync
-  on CUDA, once per layer call, so not graph-safe; the CPU default and the CUDA fallback for other dtypes;
-  at Mixtral's shapes on an H200 level with ``auto`` at T = 1024 tokens and faster from T = 4096,
-  benchmark/NOTES.md, Experts).
-- ``"auto"``: on CUDA, every graph-safe path that can run is timed once per problem (role, dtypes,
-  sizes, rows rounded to a power of two) and the fastest is kept: cuBLAS-style grouped GEMMs are known
-  to pick poor tile plans at some shapes, so nothing is assumed. While a CUDA graph is being captured
-  (or under torch.compile) nothing is timed: the choice already made, else the first candidate, runs.
-  Run one step before capturing (Triton's own autotuning needs that too).
+  on CUDA, once per layer call, so not graph-safe; the CPU default and the CUDA fallback for other dtypes).
+- ``"auto"``: on CUDA, every path that can run is timed once per problem (role, dtypes, sizes, rows
+  rounded to a power of two) and the fastest is kept: cuBLAS-style grouped GEMMs are known to pick poor
+  tile plans at some shapes, so nothing is assumed. ``loop`` is kept only for problems whose fastest
+  graph-safe path takes at least ``LOOP_MIN_MS``: there cuBLAS's dense GEMMs beat the grouped ones by
+  2-13% per role and the one host sync per layer call is small beside the work (at Mixtral's shapes on
+  an H200: from T = 4096 tokens; benchmark/NOTES.md, Experts). While a CUDA graph is being captured,
+  under torch.compile, or with ``torch.cuda.set_sync_debug_mode`` on, no host sync is made: the fastest
+  graph-safe path measured, else the first candidate, runs, and nothing is timed while capturing or
+  compiling. Run one step before capturing (Triton's own autotuning needs that too).
 
 Elementwise stages (SwiGLU, combine) use Triton on CUDA and torch elsewhere unless told otherwise.
 """
@@ -33,17 +35,20 @@ GEMM_PATHS = ("auto", "triton", "triton_tma", "grouped_mm", "loop")
 ELEMENTWISE_BACKENDS = ("auto", "triton", "torch")
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TIMING_ROUNDS = 7
-_choices: dict[tuple, str] = {}
+LOOP_MIN_MS = 1.0
+"""``auto`` keeps the host-syncing ``loop`` path only where the fastest graph-safe path takes this long."""
+_GRAPH_SAFE = ("triton", "triton_tma", "grouped_mm")
+_rankings: dict[tuple, tuple[str, ...]] = {}
 
 
 def clear_choices() -> None:
     """Forget the measured GEMM choices (they are kept for the life of the process)."""
-    _choices.clear()
+    _rankings.clear()
 
 
 def chosen_paths() -> dict[tuple, str]:
     """The GEMM path measured fastest per problem key so far (a copy, for reports and benchmarks)."""
-    return dict(_choices)
+    return {key: ranking[0] for key, ranking in _rankings.items()}
 
 
 # ------------------------------------------------------------------------------------ availability
@@ -107,10 +112,15 @@ def _candidates(path: str, kind: str, device: torch.device, dtype: torch.dtype,
 # ------------------------------------------------------------------------------------ measuring
 
 def _can_measure(device: torch.device) -> bool:
+    """Outside CUDA-graph capture and torch.compile, where a timing (and a host sync) is allowed."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return False
     compiler = getattr(torch, "compiler", None)
     return not (compiler is not None and compiler.is_compiling())
+
+
+def _may_sync(device: torch.device) -> bool:
+    return _can_measure(device) and torch.cuda.get_sync_debug_mode() == 0
 
 
 def _time_all(fns: dict[str, Callable[[], object]], key: tuple) -> dict[str, float]:
@@ -120,7 +130,7 @@ def _time_all(fns: dict[str, Callable[[], object]], key: tuple) -> dict[str, flo
         try:
             fn()  # compiles and autotunes outside the timing
         except Exception as exc:  # noqa: BLE001 - a path that cannot run this problem is just not a candidate
-            warnings.warn(f"flce experts: GEMM path {name!r} failed on {key}: {exc}", stacklevel=4)
+            warnings.warn(f"flce experts: GEMM path {name!r} failed on {key}: {exc}", stacklevel=5)
             del fns[name]
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(_TIMING_ROUNDS):
@@ -134,16 +144,29 @@ def _time_all(fns: dict[str, Callable[[], object]], key: tuple) -> dict[str, flo
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
+def _rank(key: tuple, candidates: list[str], run: Callable[[str], torch.Tensor], device: torch.device) -> tuple[str, ...]:
+    """Candidates (and ``loop`` where a host sync is allowed) fastest first; ``loop`` is dropped unless the
+    fastest graph-safe candidate takes ``LOOP_MIN_MS``, below which its sync and launches cost more than
+    cuBLAS's faster dense GEMMs save."""
+    names = candidates + (["loop"] if _may_sync(device) and "loop" not in candidates else [])
+    timings = _time_all({name: (lambda n=name: run(n)) for name in names}, key)
+    safe = [timings[name] for name in timings if name in _GRAPH_SAFE]
+    if "loop" in timings and safe and min(safe) < LOOP_MIN_MS:
+        del timings["loop"]
+    return tuple(sorted(timings, key=timings.get)) or tuple(candidates)
+
+
 def _pick(key: tuple, candidates: list[str], run: Callable[[str], torch.Tensor], device: torch.device) -> str:
     if len(candidates) == 1:
         return candidates[0]
-    if key in _choices:
-        return _choices[key]
-    if not _can_measure(device):
-        return candidates[0]
-    timings = _time_all({name: (lambda n=name: run(n)) for name in candidates}, key)
-    _choices[key] = min(timings, key=timings.get) if timings else candidates[0]
-    return _choices[key]
+    ranking = _rankings.get(key)
+    if ranking is None:
+        if not _can_measure(device):
+            return candidates[0]
+        ranking = _rankings[key] = _rank(key, candidates, run, device)
+    if ranking[0] == "loop" and not _may_sync(device):
+        return next((name for name in ranking if name != "loop"), candidates[0])
+    return ranking[0]
 
 
 def _key(role: str, *tensors: torch.Tensor, experts: int) -> tuple:
