@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sweep", default=None,
                         help="comma-separated named sweeps (default: the suite's; lce: headline on a GPU, "
                              "cpu without one)")
-    parser.add_argument("--shapes", default=None, help="lce: custom cells BTxHxV,BTxHxV (replaces --sweep)")
+    parser.add_argument("--shapes", default=None, help="custom cells (replace --sweep): lce BTxHxV,...; experts TxHxI[xE[xk]],... (8 experts, top-2 by default)")
     parser.add_argument("--methods", default=None, help="comma-separated methods to run (default: all)")
     parser.add_argument("--dtype", default=None, help="comma-separated bf16,fp16,fp32 (default: the sweep's)")
     parser.add_argument("--modes", default=None, help="comma-separated fwd,fwd+bwd (default: the sweep's)")

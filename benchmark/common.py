@@ -338,6 +338,15 @@ def wanted(args, names: Iterable[str], key: str) -> list[str]:
     return list(names) if not chosen else [n for n in names if n in chosen.split(",")]
 
 
+def parse_shape(spec: str, form: str, lengths: Iterable[int] = (3,)) -> tuple[int, ...]:
+    """'AxBxC' -> (A, B, C), positive integers, as ``--shapes`` takes them; ``form`` (e.g. 'BTxHxV') names
+    them in the error, ``lengths`` are the numbers of dimensions accepted."""
+    parts = spec.strip().lower().split("x")
+    if len(parts) not in tuple(lengths) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--shapes wants {form} with positive integers, got {spec!r}")
+    return tuple(map(int, parts))
+
+
 def add_speedup(rows: list[dict], column: str, baselines: Iterable[str], keys: tuple[str, ...]) -> list[dict]:
     """rows[column] = the baseline method's median over this row's, matching rows on ``keys``."""
     baselines = set(baselines)

@@ -5,10 +5,11 @@ router over random logits (Mixtral-like, about balanced) or ``skewed`` (every to
 expert 0, as an unbalanced router does). Methods:
 
 - ``eager``, ``grouped_mm``: transformers' backends (the per-expert loop and its grouped-GEMM default).
-- ``flce``: the registered backend, GEMM path chosen by measurement per shape.
+- ``flce``: the registered backend, ``auto``: the GEMM path measured fastest per shape, or for GEMMs of
+  ``LOOP_MIN_FLOP`` per expert and more the per-expert loop.
 - ``flce:triton``, ``flce:triton_tma``, ``flce:grouped_mm``: the same with the GEMM path forced (CUDA
   only; see ``flce.kernels.experts_dispatch``); ``flce:loop``: one cuBLAS ``mm`` per expert after reading the
-  offsets on the host (a sync per call: not graph-safe, so ``auto`` never takes it).
+  offsets on the host (a sync per layer call: not graph-safe).
 
 "fwd" runs under no_grad; "fwd+bwd" returns the gradients of the hidden states, the routing weights and
 both expert weights (``torch.autograd.grad``). FLOPs: ``6 S H I`` forward with S = T k token-expert
@@ -20,6 +21,7 @@ flce's Triton kernels (with and without TMA loads), torch's grouped_mm, and ``cu
 
     PYTHONPATH=src python benchmark/bench.py --suite experts      # or: python benchmark/suite_experts.py
     PYTHONPATH=src python benchmark/suite_experts.py --quick      # GPU: Mixtral at T=4096 only
+    PYTHONPATH=src python benchmark/bench.py --suite experts --shapes 512x4096x14336,4096x2048x1408x60x4
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common import add_speedup, make_row, measure, plot_lines, progress, wanted
+from common import add_speedup, make_row, measure, parse_shape, plot_lines, progress, wanted
 
 NAME = "experts"
 COLUMNS = ["method", "mode", "shape", "routing", "median_ms", "tflops", "x_grouped_mm", "peak_mb", "paths",
@@ -66,6 +68,11 @@ MIXTRAL = dict(hidden=4096, inter=14336, experts=8, top_k=2, dtype=torch.bfloat1
 
 
 def cells(args) -> list[Cell]:
+    if getattr(args, "shapes", None):  # TxHxI[xE[xk]]: Mixtral's 8 experts, top-2 unless given
+        dims = [parse_shape(spec, "TxHxI[xE[xk]]", (3, 4, 5)) + (8, 2)[len(spec.split("x")) - 3:]
+                for spec in args.shapes.split(",")]
+        dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
+        return [Cell(*d, dtype, breakdown=True) for d in dims]
     if args.device.type != "cuda":
         return [Cell(64, 64, 96, 4, 2, torch.float32, breakdown=True),
                 Cell(64, 64, 96, 4, 2, torch.float32, routing="skewed")]

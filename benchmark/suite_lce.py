@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from common import (MB, NAN, TIMINGS, copy_bandwidth_gbs, free_memory, is_oom, make_row, measure_steps, plot_bars,
-                    plot_lines, progress)
+from common import (MB, NAN, TIMINGS, copy_bandwidth_gbs, free_memory, is_oom, make_row, measure_steps, parse_shape,
+                    plot_bars, plot_lines, progress)
 
 NAME = "lce"
 COLUMNS = ["sweep", "method", "mode", "dtype", "shape", "median_ms", "ms_loop", "ms_mixed", "tflops", "x_floor",
@@ -333,10 +333,7 @@ def _cells(args) -> list[Cell]:
 
 
 def _custom_cell(spec: str) -> Cell:
-    parts = spec.strip().lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"--shapes wants BTxHxV with positive integers, got {spec!r}")
-    return Cell("custom", *map(int, parts))
+    return Cell("custom", *parse_shape(spec, "BTxHxV"))
 
 
 def _methods(args, cells: list[Cell]) -> list[str]:

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmark"))
 
 import common  # noqa: E402
+import suite_experts  # noqa: E402
 import suite_lce  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -165,6 +166,15 @@ def test_bad_sweep_and_method_names_raise():
     args.dtype, args.shapes = None, "64x32"
     with pytest.raises(ValueError, match="BTxHxV"):
         suite_lce._cells(args)
+
+
+def test_experts_custom_cells_default_to_mixtral_routing():
+    args = types.SimpleNamespace(device=torch.device("cpu"), quick=False, shapes="64x32x48,64x32x48x4,64x32x48x4x1")
+    assert [(c.tokens, c.hidden, c.inter, c.experts, c.top_k) for c in suite_experts.cells(args)] == [
+        (64, 32, 48, 8, 2), (64, 32, 48, 4, 2), (64, 32, 48, 4, 1)]
+    args.shapes = "64x32"
+    with pytest.raises(ValueError, match="TxHxI"):
+        suite_experts.cells(args)
 
 
 @pytest.mark.parametrize("ignored", [0.0, 0.4])

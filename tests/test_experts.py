@@ -294,7 +294,8 @@ def test_bad_input_raises_clear_errors(bad, error):
 def _fake_timings(monkeypatch, timings, *, eager=True, sync_mode=0):
     """_pick's measuring replaced: each candidate 'runs' (is recorded) and takes its entry of ``timings``."""
     calls = []
-    monkeypatch.setattr(dispatch, "_rankings", {})
+    monkeypatch.setattr(dispatch, "_choices", {})
+    monkeypatch.setattr(dispatch, "_loop_keys", set())
     monkeypatch.setattr(dispatch, "_can_measure", lambda device: eager)
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: sync_mode)
     monkeypatch.setattr(dispatch, "_time_all", lambda fns, key: {
@@ -302,44 +303,34 @@ def _fake_timings(monkeypatch, timings, *, eager=True, sync_mode=0):
     return calls
 
 
-def _pick(key, candidates=("triton", "grouped_mm")):
-    return dispatch._pick(key, list(candidates), lambda name: name, torch.device("cpu"))
+def _pick(key, flop=0.0, candidates=("triton", "grouped_mm")):
+    return dispatch._pick(key, list(candidates), lambda name: name, torch.device("cpu"), flop)
 
 
 def test_auto_dispatch_measures_once_and_keeps_the_fastest(monkeypatch):
     """'auto' times every candidate once per key, keeps the fastest, and times nothing while capturing."""
-    calls = _fake_timings(monkeypatch, {"triton": 2.0, "grouped_mm": 1.5, "loop": 1.9})
+    calls = _fake_timings(monkeypatch, {"triton": 2.0, "grouped_mm": 1.0})
     assert _pick(("rows", "k")) == "grouped_mm"
     assert _pick(("rows", "k")) == "grouped_mm"
-    assert calls == ["triton", "grouped_mm", "loop"]  # measured once
-    assert dispatch.chosen_paths() == {("rows", "k"): "grouped_mm"}
+    assert calls == ["triton", "grouped_mm"]  # measured once
     monkeypatch.setattr(dispatch, "_can_measure", lambda device: False)
     assert _pick(("rows", "other")) == "triton"
-    assert ("rows", "other") not in dispatch._rankings
+    assert ("rows", "other") not in dispatch._choices
 
 
-@pytest.mark.parametrize("fastest_safe, loop, expected", [
-    (2.0, 1.8, "loop"),  # a long GEMM: the faster per-expert loop is kept
-    (0.5, 0.4, "grouped_mm"),  # below LOOP_MIN_MS the loop's sync and launches are not worth it
-    (2.0, 2.5, "grouped_mm"),
-])
-def test_auto_keeps_the_loop_only_for_long_gemms(monkeypatch, fastest_safe, loop, expected):
-    monkeypatch.setattr(dispatch, "LOOP_MIN_MS", 1.0)
-    _fake_timings(monkeypatch, {"triton": 3.0, "grouped_mm": fastest_safe, "loop": loop})
-    assert _pick(("rows", "k")) == expected
-
-
-def test_auto_never_syncs_where_a_sync_is_unwanted(monkeypatch):
-    """A loop measured fastest gives way to the fastest graph-safe path while capturing or compiling (no
-    timing then either), and is not even timed under torch.cuda.set_sync_debug_mode."""
-    timings = {"triton": 3.0, "grouped_mm": 2.0, "loop": 1.0}
-    _fake_timings(monkeypatch, timings)
-    assert _pick(("rows", "k")) == "loop"
+def test_auto_takes_the_loop_for_large_gemms_only_where_it_may_sync(monkeypatch):
+    """From LOOP_MIN_FLOP per expert the loop runs (the graph-safe paths are still timed, for capture); while
+    capturing or compiling, or under torch.cuda.set_sync_debug_mode, the fastest graph-safe path runs."""
+    big = dispatch.LOOP_MIN_FLOP
+    calls = _fake_timings(monkeypatch, {"triton": 2.0, "grouped_mm": 1.0})
+    assert _pick(("rows", "k"), flop=big / 2) == "grouped_mm"
+    assert _pick(("rows", "big"), flop=big) == "loop"
+    assert calls == ["triton", "grouped_mm"] * 2 and "loop" not in calls
+    assert dispatch.chosen_paths() == {("rows", "k"): "grouped_mm", ("rows", "big"): "loop"}
     monkeypatch.setattr(dispatch, "_can_measure", lambda device: False)  # capturing / compiling
-    assert _pick(("rows", "k")) == "grouped_mm"
-    calls = _fake_timings(monkeypatch, timings, sync_mode=1)
-    assert _pick(("rows", "k")) == "grouped_mm"
-    assert "loop" not in calls
+    assert _pick(("rows", "big"), flop=big) == "grouped_mm"
+    _fake_timings(monkeypatch, {"triton": 2.0, "grouped_mm": 1.0}, sync_mode=1)
+    assert _pick(("rows", "big"), flop=big) == "grouped_mm"
 
 
 def test_auto_on_cpu_is_the_exact_loop():
@@ -424,16 +415,14 @@ def test_gpu_mixtral_shapes_as_precise_as_eager(gemm):
 @pytest.mark.parametrize("gemm", ["triton", "triton_tma", "grouped_mm", "auto"])
 def test_gpu_cuda_graph_capture_and_replay(gemm, monkeypatch):
     """Capture forward + backward once, replay on new routing: equals an uncaptured run on that routing.
-    'auto' is made to measure the host-syncing loop fastest for every GEMM: the eager warm-up runs it,
-    the capture takes the fastest graph-safe path."""
+    'auto' is made to take the host-syncing loop for every GEMM: the eager warm-up and the uncaptured runs
+    take it, the capture the fastest graph-safe path."""
     if not _gpu_path_ok(gemm):
         pytest.skip(f"{gemm} unavailable on this GPU")
-    if gemm == "auto":
-        real = dispatch._time_all
-        monkeypatch.setattr(dispatch, "_rankings", {})
-        monkeypatch.setattr(dispatch, "LOOP_MIN_MS", 0.0)
-        monkeypatch.setattr(dispatch, "_time_all", lambda fns, key: {**real(fns, key), **dict.fromkeys(
-            {"loop"} & fns.keys(), 0.0)})
+    if gemm == "auto":  # every GEMM large enough for the loop
+        monkeypatch.setattr(dispatch, "LOOP_MIN_FLOP", 0.0)
+        monkeypatch.setattr(dispatch, "_choices", {})
+        monkeypatch.setattr(dispatch, "_loop_keys", set())
     tokens, hidden, inter, experts, top_k = 512, 256, 384, 8, 2
     x, ids, weights, gate_up, down = make_case(tokens, hidden, inter, experts, top_k, torch.bfloat16, "cuda")
     static_ids, static_w, static_g = ids.clone(), weights.detach().clone().requires_grad_(), torch.randn_like(x)
@@ -455,7 +444,7 @@ def test_gpu_cuda_graph_capture_and_replay(gemm, monkeypatch):
         for name, got, want in zip(("out", "x", "weights", "gate_up", "down"), captured, expected):
             assert_close(got, want, 1e-6 if gemm != "auto" else 2e-2, f"{case}: {name}")
     if gemm == "auto":
-        assert set(dispatch.chosen_paths().values()) == {"loop"}
+        assert dispatch._loop_keys and set(dispatch.chosen_paths().values()) == {"loop"}
 
 
 @pytest.mark.gpu

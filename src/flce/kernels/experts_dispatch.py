@@ -8,15 +8,15 @@ GEMM paths (see ``experts_triton`` / ``experts_torch``):
 - ``"grouped_mm"``: torch's grouped GEMM (CUTLASS on sm90/sm100, bfloat16 only on CUDA).
 - ``"loop"``: one ``mm`` per expert after reading the offsets on the host (exact, any dtype; a host sync
   on CUDA, once per layer call, so not graph-safe; the CPU default and the CUDA fallback for other dtypes).
-- ``"auto"``: on CUDA, every path that can run is timed once per problem (role, dtypes, sizes, rows
-  rounded to a power of two) and the fastest is kept: cuBLAS-style grouped GEMMs are known to pick poor
-  tile plans at some shapes, so nothing is assumed. ``loop`` is kept only for problems whose fastest
-  graph-safe path takes at least ``LOOP_MIN_MS``: there cuBLAS's dense GEMMs beat the grouped ones by
-  2-13% per role and the one host sync per layer call is small beside the work (at Mixtral's shapes on
-  an H200: from T = 4096 tokens; benchmark/NOTES.md, Experts). While a CUDA graph is being captured,
-  under torch.compile, or with ``torch.cuda.set_sync_debug_mode`` on, no host sync is made: the fastest
-  graph-safe path measured, else the first candidate, runs, and nothing is timed while capturing or
-  compiling. Run one step before capturing (Triton's own autotuning needs that too).
+- ``"auto"``: on CUDA, every graph-safe path that can run is timed once per problem (role, dtypes,
+  sizes, rows rounded to a power of two) and the fastest is kept: cuBLAS-style grouped GEMMs are known
+  to pick poor tile plans at some shapes, so nothing is assumed. A GEMM of at least ``LOOP_MIN_FLOP``
+  per expert runs the ``loop`` instead: there cuBLAS's dense GEMMs beat the grouped ones and the one
+  host sync per layer call is small beside the work (at Mixtral's shapes on an H200, layer timings in
+  benchmark/NOTES.md, Experts). While a CUDA graph is being captured, under torch.compile, or with
+  ``torch.cuda.set_sync_debug_mode`` on, no host sync is made: the fastest graph-safe path measured,
+  else the first candidate, runs (nothing is timed while capturing or compiling). Run one step before
+  capturing (Triton's own autotuning needs that too).
 
 Elementwise stages (SwiGLU, combine) use Triton on CUDA and torch elsewhere unless told otherwise.
 """
@@ -35,20 +35,21 @@ GEMM_PATHS = ("auto", "triton", "triton_tma", "grouped_mm", "loop")
 ELEMENTWISE_BACKENDS = ("auto", "triton", "torch")
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TIMING_ROUNDS = 7
-LOOP_MIN_MS = 1.0
-"""``auto`` keeps the host-syncing ``loop`` path only where the fastest graph-safe path takes this long."""
-_GRAPH_SAFE = ("triton", "triton_tma", "grouped_mm")
-_rankings: dict[tuple, tuple[str, ...]] = {}
+LOOP_MIN_FLOP = 2.5e10
+"""``auto`` runs a GEMM of this many FLOPs per expert (~40 us on an H200) and more as one cuBLAS GEMM per expert."""
+_choices: dict[tuple, str] = {}
+_loop_keys: set[tuple] = set()
 
 
 def clear_choices() -> None:
     """Forget the measured GEMM choices (they are kept for the life of the process)."""
-    _rankings.clear()
+    _choices.clear()
+    _loop_keys.clear()
 
 
 def chosen_paths() -> dict[tuple, str]:
-    """The GEMM path measured fastest per problem key so far (a copy, for reports and benchmarks)."""
-    return {key: ranking[0] for key, ranking in _rankings.items()}
+    """The GEMM path ``auto`` ran last per problem key (a copy, for reports and benchmarks)."""
+    return {**_choices, **dict.fromkeys(_loop_keys, "loop")}
 
 
 # ------------------------------------------------------------------------------------ availability
@@ -130,7 +131,7 @@ def _time_all(fns: dict[str, Callable[[], object]], key: tuple) -> dict[str, flo
         try:
             fn()  # compiles and autotunes outside the timing
         except Exception as exc:  # noqa: BLE001 - a path that cannot run this problem is just not a candidate
-            warnings.warn(f"flce experts: GEMM path {name!r} failed on {key}: {exc}", stacklevel=5)
+            warnings.warn(f"flce experts: GEMM path {name!r} failed on {key}: {exc}", stacklevel=4)
             del fns[name]
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(_TIMING_ROUNDS):
@@ -144,29 +145,18 @@ def _time_all(fns: dict[str, Callable[[], object]], key: tuple) -> dict[str, flo
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
-def _rank(key: tuple, candidates: list[str], run: Callable[[str], torch.Tensor], device: torch.device) -> tuple[str, ...]:
-    """Candidates (and ``loop`` where a host sync is allowed) fastest first; ``loop`` is dropped unless the
-    fastest graph-safe candidate takes ``LOOP_MIN_MS``, below which its sync and launches cost more than
-    cuBLAS's faster dense GEMMs save."""
-    names = candidates + (["loop"] if _may_sync(device) and "loop" not in candidates else [])
-    timings = _time_all({name: (lambda n=name: run(n)) for name in names}, key)
-    safe = [timings[name] for name in timings if name in _GRAPH_SAFE]
-    if "loop" in timings and safe and min(safe) < LOOP_MIN_MS:
-        del timings["loop"]
-    return tuple(sorted(timings, key=timings.get)) or tuple(candidates)
-
-
-def _pick(key: tuple, candidates: list[str], run: Callable[[str], torch.Tensor], device: torch.device) -> str:
+def _pick(key: tuple, candidates: list[str], run: Callable[[str], torch.Tensor], device: torch.device,
+          flop_per_expert: float) -> str:
     if len(candidates) == 1:
         return candidates[0]
-    ranking = _rankings.get(key)
-    if ranking is None:
-        if not _can_measure(device):
-            return candidates[0]
-        ranking = _rankings[key] = _rank(key, candidates, run, device)
-    if ranking[0] == "loop" and not _may_sync(device):
-        return next((name for name in ranking if name != "loop"), candidates[0])
-    return ranking[0]
+    if key not in _choices and _can_measure(device):  # also under the loop: capture and compile need it
+        timings = _time_all({name: (lambda n=name: run(n)) for name in candidates}, key)
+        _choices[key] = min(timings, key=timings.get) if timings else candidates[0]
+    if flop_per_expert >= LOOP_MIN_FLOP and _may_sync(device):
+        _loop_keys.add(key)
+        return "loop"
+    _loop_keys.discard(key)
+    return _choices.get(key, candidates[0])
 
 
 def _key(role: str, *tensors: torch.Tensor, experts: int) -> tuple:
@@ -201,7 +191,9 @@ def rows_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, path: str =
     cands = _candidates(path, "rows", a.device, a.dtype, (a, w))
     if a.shape[0] == 0:
         return a.new_empty(0, w.shape[2])
-    name = _pick(_key("rows", a, w, experts=w.shape[0]), cands, lambda n: _impl(_ROWS, n)(a, w, offsets), a.device)
+    flop = 2.0 * a.shape[0] * a.shape[1] * w.shape[2] / w.shape[0]
+    name = _pick(_key("rows", a, w, experts=w.shape[0]), cands, lambda n: _impl(_ROWS, n)(a, w, offsets), a.device,
+                 flop)
     return _impl(_ROWS, name)(a, w, offsets)
 
 
@@ -211,7 +203,9 @@ def wgrad_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, path: str 
     cands = _candidates(path, "wgrad", a.device, a.dtype, (a, b))
     if a.shape[0] == 0:  # no rows at all (torch's grouped_mm rejects a zero-length reduction)
         return a.new_zeros(experts, a.shape[1], b.shape[1])
-    name = _pick(_key("wgrad", a, b, experts=experts), cands, lambda n: _impl(_WGRAD, n)(a, b, offsets), a.device)
+    flop = 2.0 * a.shape[0] * a.shape[1] * b.shape[1] / experts
+    name = _pick(_key("wgrad", a, b, experts=experts), cands, lambda n: _impl(_WGRAD, n)(a, b, offsets), a.device,
+                 flop)
     return _impl(_WGRAD, name)(a, b, offsets)
 
 
