@@ -368,7 +368,7 @@ def copy_bandwidth_gbs(device: torch.device, megabytes: int = 1024, reps: int = 
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), warmup=2, reps=reps, device=device)
-    del src, dst
+    src = dst = None  # free before measuring the rest (the lambda holds the cells)
     free_memory(device)
     return 2 * n / (ms * 1e-3) / 1e9
 

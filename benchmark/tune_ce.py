@@ -68,7 +68,7 @@ def gemm_sweep(bt=8192, hidden=4096, vocab=128256):
 
         out.append({"rows": rows, "accum": str(accum), "three_gemms_ms": median_ms(loop),
                     "wgrad_ms": median_ms(wgrad_only)})
-        del buf, acc
+        buf = acc = None  # the closures hold their cells
         torch.cuda.empty_cache()
     return out
 

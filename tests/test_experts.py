@@ -303,8 +303,8 @@ def _fake_timings(monkeypatch, timings, *, eager=True, sync_mode=0):
     return calls
 
 
-def _pick(key, flop=0.0, candidates=("triton", "grouped_mm")):
-    return dispatch._pick(key, list(candidates), lambda name: name, torch.device("cpu"), flop)
+def _pick(key, loop_sized=False, candidates=("triton", "grouped_mm")):
+    return dispatch._pick(key, list(candidates), lambda name: name, torch.device("cpu"), loop_sized)
 
 
 def test_auto_dispatch_measures_once_and_keeps_the_fastest(monkeypatch):
@@ -319,18 +319,23 @@ def test_auto_dispatch_measures_once_and_keeps_the_fastest(monkeypatch):
 
 
 def test_auto_takes_the_loop_for_large_gemms_only_where_it_may_sync(monkeypatch):
-    """From LOOP_MIN_FLOP per expert the loop runs (the graph-safe paths are still timed, for capture); while
-    capturing or compiling, or under torch.cuda.set_sync_debug_mode, the fastest graph-safe path runs."""
-    big = dispatch.LOOP_MIN_FLOP
+    """Per-expert GEMMs of LOOP_MIN_FLOP and LOOP_MIN_WIDTH run the loop (the graph-safe paths are still timed,
+    for capture); while capturing or compiling, or under torch.cuda.set_sync_debug_mode, the fastest graph-safe
+    path runs."""
+    flop, width = dispatch.LOOP_MIN_FLOP, dispatch.LOOP_MIN_WIDTH
+    rows = int(flop * 8 / (2 * width * width)) + 1
+    assert dispatch._loop_sized(rows, width, width, 8)
+    assert not dispatch._loop_sized(rows // 2, width, width, 8)
+    assert not dispatch._loop_sized(rows * 4, width // 2, width, 8) and not dispatch._loop_sized(rows * 4, width, 8, 8)
     calls = _fake_timings(monkeypatch, {"triton": 2.0, "grouped_mm": 1.0})
-    assert _pick(("rows", "k"), flop=big / 2) == "grouped_mm"
-    assert _pick(("rows", "big"), flop=big) == "loop"
+    assert _pick(("rows", "k")) == "grouped_mm"
+    assert _pick(("rows", "big"), loop_sized=True) == "loop"
     assert calls == ["triton", "grouped_mm"] * 2 and "loop" not in calls
     assert dispatch.chosen_paths() == {("rows", "k"): "grouped_mm", ("rows", "big"): "loop"}
     monkeypatch.setattr(dispatch, "_can_measure", lambda device: False)  # capturing / compiling
-    assert _pick(("rows", "big"), flop=big) == "grouped_mm"
+    assert _pick(("rows", "big"), loop_sized=True) == "grouped_mm"
     _fake_timings(monkeypatch, {"triton": 2.0, "grouped_mm": 1.0}, sync_mode=1)
-    assert _pick(("rows", "big"), flop=big) == "grouped_mm"
+    assert _pick(("rows", "big"), loop_sized=True) == "grouped_mm"
 
 
 def test_auto_on_cpu_is_the_exact_loop():
@@ -420,7 +425,7 @@ def test_gpu_cuda_graph_capture_and_replay(gemm, monkeypatch):
     if not _gpu_path_ok(gemm):
         pytest.skip(f"{gemm} unavailable on this GPU")
     if gemm == "auto":  # every GEMM large enough for the loop
-        monkeypatch.setattr(dispatch, "LOOP_MIN_FLOP", 0.0)
+        monkeypatch.setattr(dispatch, "_loop_sized", lambda *shape: True)
         monkeypatch.setattr(dispatch, "_choices", {})
         monkeypatch.setattr(dispatch, "_loop_keys", set())
     tokens, hidden, inter, experts, top_k = 512, 256, 384, 8, 2

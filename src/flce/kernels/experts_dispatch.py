@@ -11,9 +11,9 @@ GEMM paths (see ``experts_triton`` / ``experts_torch``):
 - ``"auto"``: on CUDA, every graph-safe path that can run is timed once per problem (role, dtypes,
   sizes, rows rounded to a power of two) and the fastest is kept: cuBLAS-style grouped GEMMs are known
   to pick poor tile plans at some shapes, so nothing is assumed. A GEMM of at least ``LOOP_MIN_FLOP``
-  per expert runs the ``loop`` instead: there cuBLAS's dense GEMMs beat the grouped ones and the one
-  host sync per layer call is small beside the work (at Mixtral's shapes on an H200, layer timings in
-  benchmark/NOTES.md, Experts). While a CUDA graph is being captured, under torch.compile, or with
+  per expert and ``LOOP_MIN_WIDTH`` in both its output width and its reduction runs the ``loop``
+  instead: there cuBLAS's dense GEMMs beat the grouped ones in the layer and the one host sync per
+  layer call is small beside the work (layer timings on an H200 in benchmark/NOTES.md, Experts). While a CUDA graph is being captured, under torch.compile, or with
   ``torch.cuda.set_sync_debug_mode`` on, no host sync is made: the fastest graph-safe path measured,
   else the first candidate, runs (nothing is timed while capturing or compiling). Run one step before
   capturing (Triton's own autotuning needs that too).
@@ -35,8 +35,8 @@ GEMM_PATHS = ("auto", "triton", "triton_tma", "grouped_mm", "loop")
 ELEMENTWISE_BACKENDS = ("auto", "triton", "torch")
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TIMING_ROUNDS = 7
-LOOP_MIN_FLOP = 2.5e10
-"""``auto`` runs a GEMM of this many FLOPs per expert (~40 us on an H200) and more as one cuBLAS GEMM per expert."""
+LOOP_MIN_FLOP = 2.5e10  # per expert: ~40 us on an H200
+LOOP_MIN_WIDTH = 4096
 _choices: dict[tuple, str] = {}
 _loop_keys: set[tuple] = set()
 
@@ -145,14 +145,21 @@ def _time_all(fns: dict[str, Callable[[], object]], key: tuple) -> dict[str, flo
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
+def _loop_sized(rows: int, k: int, n: int, experts: int) -> bool:
+    """Per-expert GEMMs large in every dimension, where cuBLAS's dense GEMMs beat the grouped ones in the layer
+    (on an H200: Mixtral's H 4096 / I 14336 from T = 512 tokens, not H 1024 / I 3584 even at T = 16384;
+    per-GEMM timings alone did not tell them apart reliably; benchmark/NOTES.md, Experts)."""
+    return 2.0 * rows * k * n / experts >= LOOP_MIN_FLOP and min(k, n) >= LOOP_MIN_WIDTH
+
+
 def _pick(key: tuple, candidates: list[str], run: Callable[[str], torch.Tensor], device: torch.device,
-          flop_per_expert: float) -> str:
+          loop_sized: bool) -> str:
     if len(candidates) == 1:
         return candidates[0]
     if key not in _choices and _can_measure(device):  # also under the loop: capture and compile need it
         timings = _time_all({name: (lambda n=name: run(n)) for name in candidates}, key)
         _choices[key] = min(timings, key=timings.get) if timings else candidates[0]
-    if flop_per_expert >= LOOP_MIN_FLOP and _may_sync(device):
+    if loop_sized and _may_sync(device):
         _loop_keys.add(key)
         return "loop"
     _loop_keys.discard(key)
@@ -191,9 +198,8 @@ def rows_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, path: str =
     cands = _candidates(path, "rows", a.device, a.dtype, (a, w))
     if a.shape[0] == 0:
         return a.new_empty(0, w.shape[2])
-    flop = 2.0 * a.shape[0] * a.shape[1] * w.shape[2] / w.shape[0]
     name = _pick(_key("rows", a, w, experts=w.shape[0]), cands, lambda n: _impl(_ROWS, n)(a, w, offsets), a.device,
-                 flop)
+                 _loop_sized(a.shape[0], a.shape[1], w.shape[2], w.shape[0]))
     return _impl(_ROWS, name)(a, w, offsets)
 
 
@@ -203,9 +209,8 @@ def wgrad_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, path: str 
     cands = _candidates(path, "wgrad", a.device, a.dtype, (a, b))
     if a.shape[0] == 0:  # no rows at all (torch's grouped_mm rejects a zero-length reduction)
         return a.new_zeros(experts, a.shape[1], b.shape[1])
-    flop = 2.0 * a.shape[0] * a.shape[1] * b.shape[1] / experts
     name = _pick(_key("wgrad", a, b, experts=experts), cands, lambda n: _impl(_WGRAD, n)(a, b, offsets), a.device,
-                 flop)
+                 _loop_sized(a.shape[0], a.shape[1], b.shape[1], experts))
     return _impl(_WGRAD, name)(a, b, offsets)
 
 
