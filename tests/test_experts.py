@@ -343,6 +343,19 @@ def test_auto_on_cpu_is_the_exact_loop():
     assert dispatch._candidates("auto", "rows", a.device, a.dtype, (a,)) == ["loop"]
 
 
+@pytest.mark.skipif(not (HAS_GROUPED_MM and TRITON), reason="needs torch's grouped_mm and triton")
+def test_auto_candidates_are_kept_per_layout(monkeypatch):
+    """The availability checks run once per operand layout; the row count is not part of it, alignment is."""
+    monkeypatch.setattr(dispatch, "nvidia_major", lambda device: 9)
+    monkeypatch.setattr(dispatch, "_auto_candidates", {})
+    cuda, w = torch.device("cuda"), torch.randn(4, 16, 32, dtype=torch.bfloat16)
+    a, b = torch.randn(64, 16, dtype=torch.bfloat16), torch.randn(80, 16, dtype=torch.bfloat16)
+    first = dispatch._candidates("auto", "rows", cuda, a.dtype, (a, w))
+    assert dispatch._candidates("auto", "rows", cuda, a.dtype, (b, w)) == first and len(dispatch._auto_candidates) == 1
+    odd = torch.randn(64 * 16 + 1, dtype=torch.bfloat16)[1:].view(64, 16)  # 2 bytes off 16-byte alignment
+    assert "grouped_mm" in first and "grouped_mm" not in dispatch._candidates("auto", "rows", cuda, a.dtype, (odd, w))
+
+
 @pytest.mark.parametrize("gemm", [g for g, ok in (("grouped_mm", HAS_GROUPED_MM), ("triton", TRITON)) if ok])
 def test_device_paths_never_read_routing_on_the_host(monkeypatch, gemm):
     """No .tolist() / .item() / bool() of a tensor in forward or backward (what would break graph capture)."""

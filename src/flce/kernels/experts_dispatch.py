@@ -39,6 +39,7 @@ LOOP_MIN_FLOP = 2.5e10  # per expert: ~40 us on an H200
 LOOP_MIN_WIDTH = 4096
 _choices: dict[tuple, str] = {}
 _loop_keys: set[tuple] = set()
+_auto_candidates: dict[tuple, list[str]] = {}
 
 
 def clear_choices() -> None:
@@ -104,10 +105,15 @@ def _candidates(path: str, kind: str, device: torch.device, dtype: torch.dtype,
         return [path]
     if device.type != "cuda":
         return ["loop"]
-    found = [name for name, ok in (("triton", _triton_ok(device, dtype)),
-                                   ("triton_tma", kind == "rows" and _tma_ok(device, dtype, operands)),
-                                   ("grouped_mm", _grouped_mm_ok(device, dtype, operands, kind))) if ok]
-    return found or ["loop"]
+    # the checks cost ~14 us per GEMM, a host-bound small layer's time: kept per layout (rows aside)
+    layout = (kind, device, dtype, tuple((t.shape[1:], t.stride(), t.data_ptr() % 16) for t in operands))
+    found = _auto_candidates.get(layout)
+    if found is None:
+        found = [name for name, ok in (("triton", _triton_ok(device, dtype)),
+                                       ("triton_tma", kind == "rows" and _tma_ok(device, dtype, operands)),
+                                       ("grouped_mm", _grouped_mm_ok(device, dtype, operands, kind))) if ok]
+        found = _auto_candidates[layout] = found or ["loop"]
+    return found
 
 
 # ------------------------------------------------------------------------------------ measuring
