@@ -155,7 +155,7 @@ def _loop_sized(rows: int, k: int, n: int, experts: int) -> bool:
     """Per-expert GEMMs large in every dimension, where cuBLAS's dense GEMMs beat the grouped ones in the layer
     (on an H200: Mixtral's H 4096 / I 14336 from T = 512 tokens, not H 1024 / I 3584 even at T = 16384;
     per-GEMM timings alone did not tell them apart reliably; benchmark/NOTES.md, Experts)."""
-    return 2.0 * rows * k * n / experts >= LOOP_MIN_FLOP and min(k, n) >= LOOP_MIN_WIDTH
+    return 2.0 * rows * k * n >= LOOP_MIN_FLOP * experts and min(k, n) >= LOOP_MIN_WIDTH
 
 
 def _pick(key: tuple, candidates: list[str], run: Callable[[str], torch.Tensor], device: torch.device,
