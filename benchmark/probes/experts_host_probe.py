@@ -59,14 +59,16 @@ def main() -> None:
             fn()
         end.record()
         end.synchronize()
-        print(f"{name:12s} host {statistics.median(host[name]):6.0f} us/call, back to back {start.elapsed_time(end) / 20 * 1e3:6.0f} us/call")
+        back_to_back = start.elapsed_time(end) / 20 * 1e3
+        print(f"{name:12s} host {statistics.median(host[name]):6.0f} us/call, back to back {back_to_back:6.0f} us/call")
     for name in ["grouped_mm", "module-auto", "auto"] * 2:
         ms = statistics.median(timed_steps(lambda n=name: fns[n], 3, 10, torch.device("cuda")))
         print(f"bench reading {name:12s} {ms:.3f} ms")
     a = torch.randn(tokens * 2, hidden, device="cuda", dtype=torch.bfloat16)
     wt = module.gate_up_proj.detach().transpose(1, 2)
-    for label, call in (("availability check", lambda: dispatch._candidates("auto", "rows", a.device, a.dtype, (a, wt))),
-                        ("problem key", lambda: dispatch._key("rows", a, wt, experts=8))):
+    checks = (("availability check", lambda: dispatch._candidates("auto", "rows", a.device, a.dtype, (a, wt))),
+              ("problem key", lambda: dispatch._key("rows", a, wt, experts=8)))
+    for label, call in checks:
         t0 = time.perf_counter()
         for _ in range(1000):
             call()

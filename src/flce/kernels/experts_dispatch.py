@@ -13,10 +13,11 @@ GEMM paths (see ``experts_triton`` / ``experts_torch``):
   to pick poor tile plans at some shapes, so nothing is assumed. A GEMM of at least ``LOOP_MIN_FLOP``
   per expert and ``LOOP_MIN_WIDTH`` in both its output width and its reduction runs the ``loop``
   instead: there cuBLAS's dense GEMMs beat the grouped ones in the layer and the one host sync per
-  layer call is small beside the work (layer timings on an H200 in benchmark/NOTES.md, Experts). While a CUDA graph is being captured, under torch.compile, or with
-  ``torch.cuda.set_sync_debug_mode`` on, no host sync is made: the fastest graph-safe path measured,
-  else the first candidate, runs (nothing is timed while capturing or compiling). Run one step before
-  capturing (Triton's own autotuning needs that too).
+  layer call is small beside the work (layer timings on an H200 in benchmark/NOTES.md, Experts).
+  While a CUDA graph is being captured, under torch.compile, or with ``torch.cuda.set_sync_debug_mode``
+  on, no host sync is made: the fastest graph-safe path measured, else the first candidate, runs
+  (nothing is timed while capturing or compiling). Run one step before capturing (Triton's own
+  autotuning needs that too).
 
 Elementwise stages (SwiGLU, combine) use Triton on CUDA and torch elsewhere unless told otherwise.
 """
