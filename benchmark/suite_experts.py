@@ -5,8 +5,8 @@ router over random logits (Mixtral-like, about balanced) or ``skewed`` (every to
 expert 0, as an unbalanced router does). Methods:
 
 - ``eager``, ``grouped_mm``: transformers' backends (the per-expert loop and its grouped-GEMM default).
-- ``flce``: the registered backend, ``auto``: the GEMM path measured fastest per shape, or for GEMMs of
-  ``LOOP_MIN_FLOP`` per expert and more the per-expert loop.
+- ``flce``: the registered backend, ``auto``: the GEMM path measured fastest per shape, or the per-expert
+  loop for GEMMs of ``LOOP_MIN_FLOP`` per expert and ``LOOP_MIN_WIDTH`` wide.
 - ``flce:triton``, ``flce:triton_tma``, ``flce:grouped_mm``: the same with the GEMM path forced (CUDA
   only; see ``flce.kernels.experts_dispatch``); ``flce:loop``: one cuBLAS ``mm`` per expert after reading the
   offsets on the host (a sync per layer call: not graph-safe).
@@ -69,10 +69,9 @@ MIXTRAL = dict(hidden=4096, inter=14336, experts=8, top_k=2, dtype=torch.bfloat1
 
 def cells(args) -> list[Cell]:
     if getattr(args, "shapes", None):  # TxHxI[xE[xk]]: Mixtral's 8 experts, top-2 unless given
-        dims = [parse_shape(spec, "TxHxI[xE[xk]]", (3, 4, 5)) + (8, 2)[len(spec.split("x")) - 3:]
-                for spec in args.shapes.split(",")]
+        dims = [parse_shape(spec, "TxHxI[xE[xk]]", (3, 4, 5)) for spec in args.shapes.split(",")]
         dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
-        return [Cell(*d, dtype, breakdown=True) for d in dims]
+        return [Cell(*d, *(8, 2)[len(d) - 3:], dtype, breakdown=True) for d in dims]
     if args.device.type != "cuda":
         return [Cell(64, 64, 96, 4, 2, torch.float32, breakdown=True),
                 Cell(64, 64, 96, 4, 2, torch.float32, routing="skewed")]

@@ -291,12 +291,12 @@ def test_bad_input_raises_clear_errors(bad, error):
         flce.experts_forward(**bad(args))
 
 
-def _fake_timings(monkeypatch, timings, *, eager=True, sync_mode=0):
+def _fake_timings(monkeypatch, timings, *, sync_mode=0):
     """_pick's measuring replaced: each candidate 'runs' (is recorded) and takes its entry of ``timings``."""
     calls = []
     monkeypatch.setattr(dispatch, "_choices", {})
     monkeypatch.setattr(dispatch, "_loop_keys", set())
-    monkeypatch.setattr(dispatch, "_can_measure", lambda device: eager)
+    monkeypatch.setattr(dispatch, "_can_measure", lambda device: True)
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: sync_mode)
     monkeypatch.setattr(dispatch, "_time_all", lambda fns, key: {
         name: (calls.append(fn()), timings[calls[-1]])[1] for name, fn in fns.items()})
