@@ -42,7 +42,7 @@ def path(monkeypatch, small_products, hopper_gemm):
     monkeypatch.setattr(exp_logits, "WINDOWS", {**exp_logits.WINDOWS, torch.float16: FP16_WINDOW})
     monkeypatch.setattr(exp_logits, "_cool_down", {})
     seen = SimpleNamespace(taken=[], fell_back=[], pending=[], chunks=[])
-    forward, standard, chunk = exp_logits.forward_chunk, flce.function._redo_standard, exp_logits.input_grad_chunk
+    forward, standard, chunk = exp_logits.forward_chunk, flce.function._redo_standard, exp_logits.grads_chunk
 
     def counted_forward(*a, **k):
         seen.taken.append(1)
@@ -51,7 +51,7 @@ def path(monkeypatch, small_products, hopper_gemm):
     monkeypatch.setattr(exp_logits, "forward_chunk", counted_forward)
     monkeypatch.setattr(flce.function, "_redo_standard",
                         lambda *a, **k: seen.fell_back.append(1) or standard(*a, **k))
-    monkeypatch.setattr(exp_logits, "input_grad_chunk", lambda *a, **k: seen.chunks.append(a[0].shape[0]) or chunk(*a, **k))
+    monkeypatch.setattr(exp_logits, "grads_chunk", lambda *a, **k: seen.chunks.append(a[0].shape[0]) or chunk(*a, **k))
     return seen
 
 
@@ -219,6 +219,7 @@ def low_memory_plan(monkeypatch):
 
     monkeypatch.setattr(lmp, "MIN_BLOCK_ELEMENTS", 0)
     monkeypatch.setattr(lmp, "BLOCK_ALIGN", 8)
+    monkeypatch.setattr(lmp, "FORWARD_MIN_ROWS", 1)  # forward's share of grad_weight wherever it fits
     return lambda budget: monkeypatch.setattr(lmp, "LOW_MEMORY_BUDGET", budget)
 
 
@@ -229,13 +230,20 @@ def low_memory_plan(monkeypatch):
     {"temperature": 1.3, "weight_cls": True},
     {"bias": True, "weight_cls": True, "ignore": 0.3, "ignore_index": 3},
 ])
-def test_low_memory_chunks_match_float64(path, low_memory_plan, reduction, opts):
+def test_low_memory_chunks_match_float64(path, low_memory_plan, monkeypatch, reduction, opts):
     """Each forward chunk computes grad_input from its stored exponentials, the product in column pieces
-    (16 rows, 16 of 32 columns at a time); backward's blocks recompute the logits as before."""
+    (16 rows, 16 of 32 columns at a time), and, for a mean or sum, its part of forward's share of
+    grad_weight from them too (the bias here needs no gradient); backward's blocks recompute the logits of
+    the other columns."""
     low_memory_plan(16 * 16 * 4)
+    shares = []
+    real = exp_logits.weight_grad
+    monkeypatch.setattr(exp_logits, "weight_grad", lambda *a: shares.append((a[6].shape[0], a[7])) or real(*a))
     inputs, opts = split_options(opts)
     run_and_compare(*case(**inputs), reduction=reduction, mode={"low_memory": True, "chunk_size": 16}, **opts)
     assert path.chunks == [16, 16, 8] and path.taken == []
+    assert [s[1] for s in shares] == ([False, True, True] if reduction != "none" else [])  # written, then summed into
+    assert all(0 < k < 120 for k, _ in shares)
 
 
 def test_low_memory_frozen_weight_and_one_chunk(path, low_memory_plan):

@@ -1,6 +1,8 @@
 """The precise low-memory mode (low_memory.py): loss and every gradient against float64, its block kernel
 and fused GEMM against the torch twin, its plan, autograd contracts, and (GPU) precision and memory."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given
@@ -25,6 +27,7 @@ def blocks(monkeypatch):
         monkeypatch.setattr(lmp, "LOW_MEMORY_BUDGET", 0)
         monkeypatch.setattr(lmp, "MIN_BLOCK_ELEMENTS", 0)
         monkeypatch.setattr(lmp, "BLOCK_ALIGN", cols)
+        monkeypatch.setattr(lmp, "FORWARD_MIN_ROWS", 1)  # forward's share of grad_weight wherever it fits
 
     set_cols()
     return set_cols
@@ -168,6 +171,48 @@ def test_skips_gradients_nobody_needs(backend, device, blocks, monkeypatch):
     w.requires_grad_(True)
     flce.linear_cross_entropy(x2, w, t, backend=backend, low_memory=True).backward()
     assert w.grad is not None and [s[1] for s in blocks_run] == [64, 64, 22]
+
+
+@pytest.fixture
+def share(monkeypatch):
+    """Record the low-memory plans made and the first column of every backward block."""
+    import flce.low_memory as lm
+
+    seen = SimpleNamespace(plans=[], starts=[])
+    plan, block = lm.plan_low_memory, lm.block_logits_grad
+    monkeypatch.setattr(lm, "plan_low_memory", lambda *a, **k: seen.plans.append(plan(*a, **k)) or seen.plans[-1])
+    monkeypatch.setattr(lm, "block_logits_grad", lambda *a: seen.starts.append(a[4]) or block(*a))
+    return seen
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [8, None])  # several chunks (the sum read back by each), one chunk
+def test_forward_share_of_the_weight_gradient(backend, device, blocks, share, dtype, reduction, chunk):
+    """Forward sums grad_weight's first columns in float32 inside grad_weight's own storage, beside its
+    logits buffer; backward rounds them times grad_output (1.7) and its blocks start after them."""
+    check(backend, dtype, device, hidden=96, reduction=reduction, chunk_size=chunk, ignore=0.2, weight_cls=True,
+          label_smoothing=0.1, z_loss=1e-3)
+    plan = share.plans[-1]
+    assert plan.forward_cols > 0 and plan.num_chunks == (5 if chunk else 1)
+    assert min(share.starts) == plan.forward_cols
+
+
+@pytest.mark.parametrize("case", ["none", "bias", "frozen input"])
+def test_forward_share_only_where_it_applies(backend, device, blocks, share, case):
+    """reduction='none' (grad_output per row comes in backward) and a bias gradient keep every column in
+    backward's blocks; a frozen input still lets forward take its share."""
+    kw = {"none": dict(reduction="none"), "bias": dict(bias=True), "frozen input": {}}[case]
+    x, w, b, t, _ = make_case((37,), 64, 300, torch.float32, device, bias=kw.pop("bias", False))
+    if case == "frozen input":
+        x.requires_grad_(False)
+    loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, backend=backend, chunk_size=8, low_memory=True, **kw)
+    loss.sum().backward()
+    taken = share.plans[-1].forward_cols > 0
+    assert taken == (case == "frozen input") and min(share.starts) == share.plans[-1].forward_cols
+    ref, (_, w64, _) = reference_loss(x, w, t, linear_bias=b, **kw)
+    ref.sum().backward()
+    assert_close(w.grad, w64.grad, TOL[torch.float32], "grad_weight")
 
 
 @pytest.mark.parametrize("target", ["input", "linear_weight", "linear_bias"])
@@ -371,7 +416,9 @@ def test_hopper_gemms_on_borrowed_blocks(fused, borrowed):
     """The fused block GEMM writes dlogits into grad_weight's rows that later blocks write (TMA stores into a
     view of the gradient's storage)."""
     check("triton", torch.float16, DEVICE, shape=(40,), hidden=32, vocab=520, chunk_size=16, label_smoothing=0.1)
-    plan = lmp.plan_low_memory(40, 520, 32, torch.float16, torch.float16, weight_grad=True, chunk_size=16)
+    plan = lmp.plan_low_memory(40, 520, 32, torch.float16, torch.float16, weight_grad=True, chunk_size=16,
+                               forward_share=True)
+    assert plan.forward_cols  # the blocks start after forward's share
     assert borrowed and len(fused) == len(list(plan.blocks(520))) < len(list(plan.blocks(520, borrow=False)))
 
 
@@ -399,10 +446,13 @@ def test_plan_at_the_llama3_head():
     assert frozen.rows * 128256 * 2 <= lmp.LOW_MEMORY_BUDGET and frozen.rows % 64 == 0
 
 
+@pytest.mark.parametrize("forward_share", [False, True])
 @pytest.mark.parametrize("n", [1, 100, 8192, 8193, 32768, 100_003])
 @pytest.mark.parametrize("vocab,hidden", [(1, 8), (32000, 2048), (128256, 4096), (256000, 8192)])
-def test_plan_covers_rows_and_columns_once(n, vocab, hidden):
-    plan = lmp.plan_low_memory(n, vocab, hidden, torch.bfloat16, torch.bfloat16, weight_grad=True)
+def test_plan_covers_rows_and_columns_once(n, vocab, hidden, forward_share):
+    plan = lmp.plan_low_memory(n, vocab, hidden, torch.bfloat16, torch.bfloat16, weight_grad=True,
+                               forward_share=forward_share)
+    check_share(plan, vocab, hidden, 2, 2)
     chunks = [e - s for s, e in plan.bounds()]
     assert sum(chunks) == n and all(c > 0 for c in chunks)
     assert 0 <= plan.input_product_cols <= hidden
@@ -414,12 +464,29 @@ def test_plan_covers_rows_and_columns_once(n, vocab, hidden):
     assert n * plan.block_cols * 2 <= lmp.LOW_MEMORY_BUDGET or plan.block_cols <= max(min_cols, 128) + 127
 
 
+def check_share(plan, vocab, hidden, size, grad_size, budget=None):
+    """Forward's share: whole aligned columns, its float32 sum inside grad_weight's storage after the logits
+    buffer and after the share's own rows; chunks of FORWARD_MIN_ROWS or more unless one; the chunk's
+    statistics and scaled rows within the budget (a plan of its own rows)."""
+    if not plan.forward_cols:
+        assert plan.forward_offset == 0
+        return
+    total = vocab * hidden * grad_size
+    assert 0 < plan.forward_cols < vocab and plan.forward_cols % lmp.BLOCK_ALIGN == 0
+    assert plan.forward_offset % lmp.SCRATCH_ALIGN == 0 and plan.forward_offset + plan.forward_cols * hidden * 4 <= total
+    assert plan.rows * vocab * size <= plan.forward_offset and plan.forward_cols * hidden * grad_size <= plan.forward_offset
+    assert plan.num_chunks == 1 or plan.rows >= lmp.FORWARD_MIN_ROWS
+    if budget is not None:
+        assert plan.rows * (vocab * lmp.STATS_BYTES_PER_COLUMN + hidden * size) <= max(budget, lmp.ROW_ALIGN * (
+            vocab * lmp.STATS_BYTES_PER_COLUMN + hidden * size)) or plan.num_chunks == 1
+
+
 def check_blocks(plan, vocab, borrow=True):
-    """Blocks cover the vocabulary once, in order; those that borrow grad_weight's storage come first, are
+    """Blocks cover the vocabulary after forward's share once, in order; those that borrow grad_weight's storage come first, are
     wider than the buffer's, and keep their aligned scratch inside that storage after every row written so
     far; the buffer's are of one width, at most ``block_cols``, but the last, narrower one."""
     blocks = list(plan.blocks(vocab, borrow))
-    assert blocks[0].start == 0 and blocks[-1].end == vocab
+    assert blocks[0].start == plan.forward_cols and blocks[-1].end == vocab
     assert all(a.end == b.start and a.start < a.end for a, b in zip(blocks, blocks[1:]))
     borrowed = [b for b in blocks if b.scratch is not None]
     assert blocks[: len(borrowed)] == borrowed and (borrow or not borrowed)
@@ -449,6 +516,25 @@ def test_first_blocks_borrow_the_weight_gradient():
     assert all(b.scratch is None for b in frozen.blocks(128256))
 
 
+@pytest.mark.parametrize("n,rows,chunks,share", [(1024, 1024, 1, 1 / 3), (2048, 2048, 1, 0.25), (8192, 2048, 4, 0.25),
+                                                 (32768, 2048, 16, 0.25)])
+def test_forward_share_at_the_llama3_head(n, rows, chunks, share):
+    """8192 x 4096 x 128256 bf16: forward's logits buffer takes half of grad_weight's storage (2048 rows), the
+    float32 sum of a quarter of its rows the other half; one short chunk leaves room for a third (then the
+    rounded rows would reach the sum). Backward's blocks cover the other columns."""
+    plan = lmp.plan_low_memory(n, **HEAD, compute_dtype=torch.bfloat16, grad_dtype=torch.bfloat16, weight_grad=True,
+                               forward_share=True)
+    check_share(plan, 128256, 4096, 2, 2, lmp.LOW_MEMORY_BUDGET)
+    assert (plan.rows, plan.num_chunks) == (rows, chunks)
+    assert share - 0.01 < plan.forward_cols / 128256 <= share
+    assert plan.input_product_cols == 4096  # the statistics and scaled rows leave the product its whole width
+    check_blocks(plan, 128256)
+    for kw in (dict(weight_grad=False), dict(weight_cast=True, grad_dtype=torch.float32)):  # no share to take
+        other = lmp.plan_low_memory(n, **HEAD, **{"compute_dtype": torch.bfloat16, "grad_dtype": torch.bfloat16,
+                                                  "weight_grad": True, "forward_share": True, **kw})
+        assert other.forward_cols == 0
+
+
 def test_plan_under_autocast_counts_the_casts():
     kw = dict(compute_dtype=torch.bfloat16, grad_dtype=torch.float32, weight_grad=True)
     cast = lmp.plan_low_memory(8192, **HEAD, **kw, weight_cast=True, input_cast=True)
@@ -465,12 +551,15 @@ def test_plan_under_autocast_counts_the_casts():
 @given(n=st.integers(1, 200_000), vocab=st.integers(1, 300_000), hidden=st.integers(1, 16384),
        dtypes=st.sampled_from([(torch.bfloat16, torch.bfloat16, False), (torch.bfloat16, torch.float32, True),
                                (torch.float32, torch.float32, False), (torch.float16, torch.float16, False)]),
-       budget=st.sampled_from([0, 2**20, lmp.LOW_MEMORY_BUDGET]))
-def test_plan_blocks_fuzz(n, vocab, hidden, dtypes, budget):
+       budget=st.sampled_from([0, 2**20, lmp.LOW_MEMORY_BUDGET]), forward_share=st.booleans(),
+       chunk_size=st.sampled_from([None, None, 64, 4096]))
+def test_plan_blocks_fuzz(n, vocab, hidden, dtypes, budget, forward_share, chunk_size):
     compute, grad, cast = dtypes
     plan = lmp.plan_low_memory(n, vocab, hidden, compute, grad, weight_grad=True, weight_cast=cast, input_cast=cast,
-                               memory_budget=budget)
+                               memory_budget=budget, forward_share=forward_share, chunk_size=chunk_size)
     assert plan.scratch_col_bytes == (n + (hidden if cast else 0)) * compute.itemsize
+    assert not (plan.forward_cols and (cast or not forward_share))
+    check_share(plan, vocab, hidden, compute.itemsize, grad.itemsize, budget if chunk_size is None else None)
     check_blocks(plan, vocab)
 
 
@@ -482,10 +571,14 @@ def test_plan_honours_chunk_size():
 # ---------------------------------------------------------------- GPU: precision and memory
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bt,hidden,vocab", [(4096, 2048, 32000), (8192, 1024, 65536)])
+@pytest.mark.parametrize("bt,hidden,vocab", [(4096, 2048, 32000), (8192, 1024, 65536), (4096, 4096, 32000)])
 def test_gpu_precision_and_memory(bt, hidden, vocab):
     """bf16: grad_weight within 1.1x the bf16 rounding of the exact gradient; the peak during forward and
-    backward within the gradients plus the budget (and the per-row vectors)."""
+    backward within the gradients plus the budget (and the per-row vectors). The last shape takes forward's
+    share of grad_weight (two 2048-row chunks, a quarter of the vocabulary)."""
+    share = lmp.plan_low_memory(bt, vocab, hidden, torch.bfloat16, torch.bfloat16, weight_grad=True,
+                                forward_share=True).forward_cols
+    assert (share > 0) == (hidden == 4096)
     cuda = torch.device("cuda")
     g = torch.Generator(device=cuda).manual_seed(0)
     x = torch.randn(bt, hidden, device=cuda, generator=g).bfloat16().requires_grad_()

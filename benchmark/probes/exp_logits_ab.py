@@ -10,7 +10,8 @@ against 1.024 (H200) and 1.015 against 1.029 (H100), 8192 x 2048 x 32000 1.059 /
 `results/2026-11-24-h200-827518b/exp_logits_ab_low_memory.txt`) and 1.349 / 1.379 (H100,
 `exp_logits_ab_low_memory_4bf56f1.txt`). ``--frozen-weight`` measured the reverted chunk path (457c722). ``--low-memory --borrow`` compares the
 mode's backward blocks that borrow grad_weight's storage (``LowMemoryPlan.blocks``) with buffer-only blocks
-instead of the exp-logits path; ``--autocast`` runs flce on float32 leaves under bf16 autocast.
+instead of the exp-logits path; ``--low-memory --share`` the mode with and without forward's share of grad_weight
+(``LowMemoryPlan.forward_cols``); ``--autocast`` runs flce on float32 leaves under bf16 autocast.
 ``--chunk-sizes`` times flce with fixed chunk heights beside the default plan, each with its peak memory
 (`results/2026-11-26-h200-5ebccd8/chunk_size_ab_5ebccd8.txt`: within the spread at 32768 rows; one chunk at
 16384 rows 1.009 against 1.029, 1.7 GB more).
@@ -20,7 +21,7 @@ block GEMM) with another tree's, in the same steps (DIR holds that tree's ``src/
 times the kernels alone (`results/2026-11-25-h100-1a6937c/ab_*.txt`). GPU only:
 
     PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7]
-        [--low-memory [--borrow]] [--base DIR] [--frozen-weight] [--autocast] [--min-rows 256]
+        [--low-memory [--borrow | --share]] [--base DIR] [--frozen-weight] [--autocast] [--min-rows 256]
         [--chunk-sizes 8192,16384]
 """
 from __future__ import annotations
@@ -52,6 +53,8 @@ def main():
     p.add_argument("--frozen-weight", action="store_true", help="grad_input alone (a frozen LM head)")
     p.add_argument("--borrow", action="store_true",
                    help="with --low-memory: backward blocks borrowing grad_weight's storage on / off")
+    p.add_argument("--share", action="store_true",
+                   help="with --low-memory: forward's share of grad_weight (LowMemoryPlan.forward_cols) on / off")
     p.add_argument("--autocast", action="store_true",
                    help="float32 input and weight, flce under bf16 autocast (fp32 master weights; the floor stays bf16)")
     p.add_argument("--chunk-sizes", default=None,
@@ -95,6 +98,11 @@ def main():
                               lambda *args, **kw: dataclasses.replace(plan(*args, **kw), grad_row_bytes=0)):
                 flce_step()
 
+        def no_share():
+            plan = low_memory.plan_low_memory
+            with patch.object(low_memory, "plan_low_memory", lambda *args, **kw: plan(*args, **{**kw, "forward_share": False})):
+                flce_step()
+
         def base_kernels():
             with (patch.object(block_gemm_triton, "block_logits_grad_triton", base["block"]),
                   patch.object(logits_triton, "logits_with_tile_stats", base["logits"])):
@@ -106,6 +114,8 @@ def main():
                 fns[f"flce, chunk_size={cs}"] = lambda cs=cs: flce_step(cs)
         elif a.borrow:
             fns["flce, buffer blocks only"] = buffer_blocks_only
+        elif a.share:
+            fns["flce, no forward share"] = no_share
         elif base is not None:
             fns["flce, base kernels"] = base_kernels
             _time_kernels(x, w, t, base)

@@ -21,9 +21,10 @@ check does) and, if any, the gradients are recomputed through the standard path 
 then takes the standard path for its next ``COOL_DOWN`` calls. Options that need every logit (label smoothing, z-loss,
 softcap, accuracy, a bias gradient) and reduction='none' take the standard path.
 
-The low-memory mode's forward chunks, which want grad_input alone, take the same path chunk by chunk
-(``input_grad_chunk``), grad_input from float32 products of the columns its plan has memory for
-(``ChunkPlan.input_product_cols``); their window check is read in that mode's backward (``low_memory.py``).
+The low-memory mode's forward chunks, which want grad_input and at most a share of grad_weight, take the
+same path chunk by chunk (``grads_chunk``), grad_input from float32 products of the columns its plan has
+memory for (``ChunkPlan.input_product_cols``); their window check is read in that mode's backward
+(``low_memory.py``).
 The standard path's several chunks keep the CE pass: on the path they were no faster (benchmark/NOTES.md).
 """
 
@@ -128,17 +129,22 @@ def forward_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                       (bias, class_weight, weight_sum))
 
 
-def input_grad_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-                     loss: torch.Tensor, lse: torch.Tensor, class_weight: torch.Tensor | None, scale: torch.Tensor,
-                     opts: LossOptions, e: torch.Tensor, misses: torch.Tensor, grad_input: torch.Tensor,
-                     product_cols: int) -> None:
-    """A chunk whose grad_input alone is wanted in forward (the low-memory mode's): exp(z) stored into
-    ``e`` and the row kernel run (``_store_exp_and_rows``; rows outside the window added to ``misses``,
-    (1,) int32), then grad_input (m, H), any row stride, times ``scale`` (0-d), from float32 products of
-    ``product_cols`` columns (``input_grad``). x_c (m, H), w (V, H), e (m, V) contiguous."""
-    keys = torch.empty(x_c.shape[0], dtype=torch.int32, device=e.device)  # grad_weight's sort keys: not used
+def grads_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                loss: torch.Tensor, lse: torch.Tensor, class_weight: torch.Tensor | None, scale: torch.Tensor,
+                opts: LossOptions, e: torch.Tensor, misses: torch.Tensor, grad_input: torch.Tensor | None,
+                product_cols: int, weight_sum: torch.Tensor | None = None, accumulate: bool = False) -> None:
+    """A chunk of the low-memory mode's forward: exp(z) stored into ``e`` and the row kernel run
+    (``_store_exp_and_rows``; rows outside the window added to ``misses``, (1,) int32), then grad_input
+    (m, H), any row stride, times ``scale`` (0-d), from float32 products of ``product_cols`` columns
+    (``input_grad``), and the chunk's part of grad_weight's first k rows added to (or, without
+    ``accumulate``, written into) ``weight_sum`` (k, H) (``weight_grad``). x_c (m, H), w (V, H), e (m, V)
+    contiguous."""
+    keys = torch.empty(x_c.shape[0], dtype=torch.int32, device=e.device)  # grad_weight's sort keys
     coef = _store_exp_and_rows(x_c, w, bias, target, class_weight, opts, e, loss, lse, keys, misses)
-    input_grad(e, w, coef[0], target, coef[1], scale, grad_input, product_cols)
+    if grad_input is not None:
+        input_grad(e, w, coef[0], target, coef[1], scale, grad_input, product_cols)
+    if weight_sum is not None:
+        weight_grad(e, x_c, coef[0], keys, coef[1], scale, weight_sum, accumulate)
 
 
 def _store_exp_and_rows(x_c, w, bias, target, class_weight, opts: LossOptions, e, loss, lse, keys, misses,
@@ -175,13 +181,14 @@ def input_grad(e: torch.Tensor, w: torch.Tensor, coef: torch.Tensor, target: tor
 
 
 def weight_grad(e: torch.Tensor, x_c: torch.Tensor, coef: torch.Tensor, keys: torch.Tensor, target_coef: torch.Tensor,
-                scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (V, H) = scale (e^T @ (diag(coef) x_c) - onehot(keys)^T (target_coef * x_c)), the second term row
-    by row in float32 (``subtract_target_rows``)."""
+                scale: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+    """out (k, H) (+)= scale (e^T @ (diag(coef) x_c) - onehot(keys)^T (target_coef * x_c)) for the first k
+    vocabulary rows (k <= V), the second term row by row in float32 (``subtract_target_rows``)."""
     from .kernels.exp_rows_triton import row_scale, subtract_target_rows
 
     xs = row_scale(x_c, coef, scale, torch.empty(x_c.shape, dtype=x_c.dtype, device=x_c.device))
-    mm_into(out, e.t(), xs, accumulate=False)
+    k = out.shape[0]
+    mm_into(out, (e if k == e.shape[1] else e[:, :k]).t(), xs, accumulate=accumulate)
     del xs
     subtract_target_rows(out, x_c, keys, target_coef, scale)
     return out

@@ -13,9 +13,10 @@ reduction="none" the per-row grad_output is only known in backward, so there the
 A single chunk on Hopper in bf16 (1024 rows or more, the common options) goes further: its logits GEMM
 stores exp(logits), a row kernel takes the loss and row coefficients from the GEMM's statistics, and
 backward's GEMMs run on the exponentials with the rows scaled: no CE pass at all (``exp_logits.py``).
-Chunks that compute grad_input alone (the low-memory mode's forward) take that path chunk by chunk where
-the plan budgets their float32 product (``ChunkPlan.input_product_cols``); their window check goes back
-with the gradients (``ChunkGrads.window``) for that mode's backward to read.
+Chunks that compute grad_input alone, or with a share of grad_weight (the low-memory mode's forward),
+take that path chunk by chunk where the plan budgets their float32 product
+(``ChunkPlan.input_product_cols``); their window check goes back with the gradients
+(``ChunkGrads.window``) for that mode's backward to read.
 A loss without gradients on Hopper stores no logits: the GEMM keeps its statistics alone
 (``loss_only.py``).
 
@@ -94,12 +95,23 @@ class LoopSpec(NamedTuple):
     entry: str = "flce.linear_cross_entropy"
 
 
+class LoopMemory(NamedTuple):
+    """Memory a caller lays out for the loop (the low-memory mode's forward, ``low_memory_plan``):
+    ``buffer`` (plan.rows, V) for the chunks' logits, ``weight_sum`` (k, H) float32 (float64 for float64
+    math) for the first k rows of grad_weight, summed over the chunks."""
+
+    buffer: torch.Tensor
+    weight_sum: torch.Tensor
+
+
 def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool) -> None:
-    """grad_input[rows] = dl @ w; grad_weight (+)= dl^T @ x_c; grad_bias += dl summed over rows."""
+    """grad_input[rows] = dl @ w; grad_weight (+)= dl^T @ x_c (its first rows only, when grads.weight has
+    fewer than V: ``LoopMemory``); grad_bias += dl summed over rows."""
     if grads.input is not None:
         mm_into(_take(grads.input, rows), dl, w, accumulate=False)
     if grads.weight is not None:
-        mm_into(grads.weight, dl.t(), x_c, accumulate=accumulate)
+        k = grads.weight.shape[0]
+        mm_into(grads.weight, (dl if k == dl.shape[1] else dl[:, :k]).t(), x_c, accumulate=accumulate)
     if grads.bias is not None:
         grads.bias += dl.sum(0, dtype=grads.bias.dtype)
 
@@ -115,11 +127,13 @@ def chunk_loop(
     needs: tuple[bool, bool, bool],
     spec: LoopSpec,
     defer: bool = False,
+    memory: LoopMemory | None = None,
 ) -> tuple[LossParts, ChunkGrads | PendingGrads]:
     """Run every chunk; gradients for ``needs`` = (input, weight, bias) when ``grad_scale`` is given.
 
     x: (n, H); weight: (V, H); bias: (V,) or None; target: (n,) int64. ``defer`` (single chunk only)
-    returns the chunk's dlogits instead of running the gradient GEMMs.
+    returns the chunk's dlogits instead of running the gradient GEMMs. ``memory``: the logits buffer, and
+    the sum that the weight gradient's first rows go in (then only those rows are computed).
     """
     opts, plan, compute_dtype, backend, want_correct, counts, _ = spec
     n, hidden = x.shape
@@ -143,7 +157,8 @@ def chunk_loop(
     else:
         grads = ChunkGrads(
             input=torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None,
-            weight=torch.empty(vocab, hidden, dtype=plan.accum_dtype, device=dev) if need_w else None,
+            weight=None if not need_w else memory.weight_sum if memory is not None else torch.empty(
+                vocab, hidden, dtype=plan.accum_dtype, device=dev),
             bias=torch.zeros(vocab, dtype=acc, device=dev) if need_b else None,
         )
     if n == 0:
@@ -158,10 +173,13 @@ def chunk_loop(
                                                            chunk_rows=plan.rows):
         return parts, grads
     # One chunk: its GEMM allocates the logits (small batches are launch-bound: one host call fewer).
-    buffer = torch.empty(plan.rows, vocab, dtype=compute_dtype, device=dev) if plan.num_chunks > 1 else None
+    buffer = memory.buffer if memory is not None else torch.empty(
+        plan.rows, vocab, dtype=compute_dtype, device=dev) if plan.num_chunks > 1 else None
     row_scale = grad and grad_scale.dim() == 1
-    # Chunks that compute grad_input alone may store exp(logits) where the plan budgets the product.
-    exp_input = need_x and not (need_w or need_b) and plan.input_product_cols > 0
+    # Chunks that compute grad_input alone (and a share of grad_weight in the caller's memory) may store
+    # exp(logits) where the plan budgets the product.
+    exp_input = (plan.input_product_cols > 0 and (need_x or need_w) and not need_b
+                 and (memory is not None or not need_w))
     misses = None
     for i, (start, end) in enumerate(plan.bounds()):
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
@@ -177,9 +195,9 @@ def chunk_loop(
             else:
                 misses = torch.zeros(1, dtype=torch.int32, device=dev) if misses is None else misses
                 e = torch.empty(end - start, vocab, dtype=compute_dtype, device=dev) if out is None else out
-                exp_logits.input_grad_chunk(x_c, w, bias, _take(target, rows), _take(parts.loss, rows),
-                                            _take(parts.lse, rows), class_weight, grad_scale, opts, e, misses,
-                                            _take(grads.input, rows), plan.input_product_cols)
+                exp_logits.grads_chunk(x_c, w, bias, _take(target, rows), _take(parts.loss, rows),
+                                       _take(parts.lse, rows), class_weight, grad_scale, opts, e, misses,
+                                       _take(grads.input, rows), plan.input_product_cols, grads.weight, i > 0)
                 continue
         logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend)
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),

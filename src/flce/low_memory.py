@@ -3,7 +3,7 @@ backward's vocabulary-block loop.
 
 Forward runs the chunk loop without the weight gradient: per chunk of rows the logits GEMM, the CE
 kernel (loss, lse, dlogits) and grad_input rows = dlogits @ W (K = V: one GEMM, rounded once). On Hopper
-in bf16 a chunk stores exp(logits) instead and needs no CE pass (``exp_logits.input_grad_chunk``, its
+in bf16 a chunk stores exp(logits) instead and needs no CE pass (``exp_logits.grads_chunk``, its
 float32 product in the memory the plan leaves beside the buffer); if rows left that path's window,
 backward runs forward's loop again on the standard path, and its blocks with that loop's lse. Backward
 recomputes the logits one block of vocabulary columns at a time for all rows, overwrites them with
@@ -13,13 +13,19 @@ exact gradients, and at most a small buffer plus the per-row lse above the gradi
 (``low_memory_plan.py``): the first, widest blocks keep their dz in grad_weight's rows not yet
 written. With reduction="none", grad_input's rows scale linearly with the per-row grad_output, and the
 block kernel takes it per row: nothing is recomputed twice.
+
+Where the plan finds room (``LowMemoryPlan.forward_cols``; a mean or sum, no bias gradient, no cast
+weight), forward allocates grad_weight's storage itself: its chunks' logits go at its start, and the first
+k rows of grad_weight, summed over the chunks in float32, at its end; backward rounds that sum times
+grad_output into those rows and recomputes the logits of the other columns only (a quarter of a GEMM
+less at 8192 x 4096 x 128256). The peak stays the same: forward's buffer already took grad_weight's size.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .function import LoopSpec
+from .function import LoopMemory, LoopSpec
 from .gemm import mm_into
 from .kernels import math_dtype
 from .kernels.ce_block_torch import RowTerms, ce_block_torch
@@ -28,14 +34,16 @@ from .low_memory_plan import LowMemoryPlan, plan_low_memory
 from .options import LossOptions
 
 
-def low_memory_plan(n_rows: int, input: torch.Tensor, weight: torch.Tensor, compute_dtype: torch.dtype,
-                    chunk_size: int | None) -> LowMemoryPlan:
+def low_memory_plan(n_rows: int, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    compute_dtype: torch.dtype, chunk_size: int | None, reduction: str) -> LowMemoryPlan:
     """``plan_low_memory`` for these tensors (whether backward allocates grad_weight, whether autocast casts
-    them)."""
+    them, whether forward may take a share of grad_weight)."""
+    grad = torch.is_grad_enabled()
     return plan_low_memory(n_rows, weight.shape[0], weight.shape[1], compute_dtype, weight.dtype,
-                           weight_grad=torch.is_grad_enabled() and weight.requires_grad,
+                           weight_grad=grad and weight.requires_grad,
                            weight_cast=weight.dtype != compute_dtype, input_cast=input.dtype != compute_dtype,
-                           chunk_size=chunk_size)
+                           chunk_size=chunk_size,
+                           forward_share=reduction != "none" and not (grad and bias is not None and bias.requires_grad))
 
 
 def check_low_memory(low_memory: object, accum_dtype: torch.dtype | None) -> None:
@@ -74,22 +82,26 @@ def block_logits_grad(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Ten
 
 
 def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, terms: RowTerms,
-                       need_w: bool, need_b: bool, spec: LoopSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                       need_w: bool, need_b: bool, spec: LoopSpec, grad_w: torch.Tensor | None = None,
+                       first: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """grad_weight (V, H) in the weight's dtype and grad_bias (V,) in the math dtype, block by block of vocabulary
-    columns (``spec.plan.blocks``), each from all n rows at once. x: (n, H), weight: (V, H). A block's
-    dlogits (and its weight rows cast under autocast) go in grad_weight's rows that later blocks write,
-    where the plan found room, else in the budget's buffer."""
+    columns (``spec.plan.blocks``) from column ``first`` (rows before it are written already, into the given
+    ``grad_w``), each from all n rows at once. x: (n, H), weight: (V, H). A block's dlogits (and its weight
+    rows cast under autocast) go in grad_weight's rows that later blocks write, where the plan found room,
+    else in the budget's buffer."""
     opts, plan, compute_dtype, backend = spec.opts, spec.plan, spec.compute_dtype, spec.backend
     n, hidden = x.shape
     vocab = weight.shape[0]
-    grad_w = torch.empty(vocab, hidden, dtype=weight.dtype, device=x.device) if need_w else None
+    assert not (first and need_b), "forward's share of grad_weight comes without a bias gradient"
+    if grad_w is None and need_w:
+        grad_w = torch.empty(vocab, hidden, dtype=weight.dtype, device=x.device)
     grad_b = torch.empty(vocab, dtype=math_dtype(compute_dtype), device=x.device) if need_b else None
     if n == 0:
         return tuple(None if g is None else g.zero_() for g in (grad_w, grad_b))
     x_c = _as_dtype(x, compute_dtype)
     storage = None if grad_w is None else grad_w.view(-1).view(torch.uint8)
     buffer = None
-    for start, end, scratch in plan.blocks(vocab, borrow=grad_w is not None):
+    for start, end, scratch in plan.blocks(vocab, borrow=grad_w is not None, start=first):
         cols = end - start
         if scratch is None:
             if buffer is None:  # allocated only for the blocks the borrowed room could not take
@@ -135,11 +147,14 @@ class LowMemoryFunction(torch.autograd.Function):
     def forward(ctx, loop, spec, x, weight, bias, target, class_weight, weight_sum, grad_scale, target_check):
         ctx.set_materialize_grads(False)
         needs = tuple(ctx.needs_input_grad[2:5])
-        # grad_input in forward, times the reduction's scale (1 for 'none': backward scales its rows).
-        fwd_scale = _forward_scale(grad_scale, spec, x.device) if needs[0] else None
-        parts, grads = loop(x, weight, bias, target, class_weight, weight_sum, fwd_scale, (needs[0], False, False),
-                            spec)
+        memory = _forward_memory(spec, weight) if needs[1] and not needs[2] and grad_scale is not None else None
+        # grad_input (and a share of grad_weight) in forward, times the reduction's scale (1 for 'none':
+        # backward scales grad_input's rows).
+        fwd_scale = _forward_scale(grad_scale, spec, x.device) if needs[0] or memory else None
+        parts, grads = loop(x, weight, bias, target, class_weight, weight_sum, fwd_scale,
+                            (needs[0], memory is not None, False), spec, memory=memory[1] if memory else None)
         ctx.grad_input, ctx.window = grads.input, grads.window
+        ctx.share = (memory[0], grads.weight) if memory else None  # grad_weight's storage, the share's sum
         ctx.consumed = False
         ctx.meta = (loop, spec, needs, (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
         ctx.target_check = target_check
@@ -151,6 +166,7 @@ class LowMemoryFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse, _grad_correct):
         if grad_loss is None:  # only lse / correct were used: they carry no gradient
+            ctx.share = None
             return (None,) * 10
         if torch.is_grad_enabled():
             raise RuntimeError(_NOT_TWICE)
@@ -160,6 +176,7 @@ class LowMemoryFunction(torch.autograd.Function):
         loop, spec, needs, dtypes = ctx.meta
         x, weight, bias, target, class_weight, weight_sum, grad_scale, lse = ctx.saved_tensors
         grad_x, ctx.grad_input = ctx.grad_input, None
+        (grad_w, share_sum), ctx.share = ctx.share or (None, None), None
         g = _as_dtype(grad_loss, math_dtype(spec.compute_dtype))  # float64 stays float64
         if grad_scale is None:  # reduction='none': grad_output per row
             g = g.reshape(-1).contiguous()
@@ -168,14 +185,19 @@ class LowMemoryFunction(torch.autograd.Function):
             block_scale = grad_scale * g
         if grad_x is not None:
             _scale_input_grad(grad_x, g, dtypes[0], spec)
+        first = 0
+        if share_sum is not None:  # forward's share: its float32 sum times grad_output, rounded once
+            first = share_sum.shape[0]
+            scale_into(share_sum, g, dtypes[1], spec.backend, out=grad_w[:first])
+            share_sum = None  # the first blocks borrow its bytes (queued after this read)
         # After the exp-logits forward (a window check exists) the lse is that of the unrounded logits.
         grad_w, grad_b = _weight_grads(x, weight, bias, target, class_weight, weight_sum, lse, block_scale, needs, spec,
-                                       exact_lse=ctx.window is not None)
+                                       exact_lse=ctx.window is not None, grad_w=grad_w, first=first)
         if ctx.window is not None and ctx.window.missed():
             # Rows left the exp-logits window: forward again on the standard path, whose lse matches the
             # rounded logits that the blocks recompute, and the blocks again with it (rare: the device
             # then cools down). The first results go before forward's buffer comes back: the mode's peak.
-            grad_x = grad_w = grad_b = None
+            grad_x = grad_w = grad_b = None  # forward's share too: grad_weight's storage goes
             parts, grads = loop(x, weight, bias, target, class_weight, weight_sum,
                                 _forward_scale(grad_scale, spec, x.device), (True, False, False), spec)
             grad_x = _scale_input_grad(grads.input, g, dtypes[0], spec)
@@ -189,12 +211,27 @@ class LowMemoryFunction(torch.autograd.Function):
 
 
 def _weight_grads(x, weight, bias, target, class_weight, weight_sum, lse, block_scale, needs, spec: LoopSpec,
-                  exact_lse: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                  exact_lse: bool = False, grad_w: torch.Tensor | None = None,
+                  first: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Backward's vocabulary-block loop, where grad_weight or grad_bias is wanted."""
     if not (needs[1] or needs[2]):
         return None, None
     terms = RowTerms(target, lse, class_weight, weight_sum, block_scale, exact_lse)
-    return weight_grad_blocks(x, weight, bias, terms, needs[1], needs[2], spec)
+    return weight_grad_blocks(x, weight, bias, terms, needs[1], needs[2], spec, grad_w, first)
+
+
+def _forward_memory(spec: LoopSpec, weight: torch.Tensor) -> tuple[torch.Tensor, LoopMemory] | None:
+    """grad_weight (V, H), allocated now, and the loop's memory laid out in its bytes (``LowMemoryPlan``:
+    the logits buffer from byte 0, the share's sum from ``forward_offset``); None without a share."""
+    plan = spec.plan
+    if not getattr(plan, "forward_cols", 0) or weight.dtype != spec.compute_dtype:
+        return None
+    vocab, hidden = weight.shape
+    grad_w = torch.empty(vocab, hidden, dtype=weight.dtype, device=weight.device)
+    storage = grad_w.view(-1).view(torch.uint8)
+    buffer = _borrow(storage, 0, (plan.rows, vocab), spec.compute_dtype)
+    weight_sum = _borrow(storage, plan.forward_offset, (plan.forward_cols, hidden), math_dtype(spec.compute_dtype))
+    return grad_w, LoopMemory(buffer, weight_sum)
 
 
 def _forward_scale(grad_scale: torch.Tensor | None, spec: LoopSpec, device: torch.device) -> torch.Tensor:

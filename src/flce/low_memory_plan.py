@@ -4,6 +4,11 @@ Forward (loss, lse, grad_input) runs the chunk loop over rows; backward recomput
 block of vocabulary columns at a time, for all rows at once, so that each block of grad_weight is one
 GEMM over every row (float32 inside, rounded once). Only a small budget may add to the peak; the first
 blocks borrow their scratch from the rows of grad_weight that later blocks write.
+
+Forward may also take the first ``forward_cols`` rows of grad_weight: their float32 sum over its chunks
+lives at the end of grad_weight's storage (allocated in forward, handed to backward), its logits buffer at
+the start; backward rounds that sum into those rows and recomputes the logits of the other columns only.
+At 8192 x 4096 x 128256 bf16 that is a quarter of the vocabulary: a quarter of a GEMM less.
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ STATS_BYTES_PER_COLUMN = 2 * 8 / 256
 MIN_BLOCK_ELEMENTS = 2**22
 # A block's scratch inside grad_weight starts on this many bytes (TMA needs 16).
 SCRATCH_ALIGN = 256
+# Fewest rows per forward chunk for forward to take a share of grad_weight when it has several chunks:
+# each chunk after the first reads its float32 sum back (8 bytes per element of the share), which a
+# chunk of K rows hides behind 2K FLOPs per element only for K of ~1000 or more (700 TFLOP/s against
+# ~4 TB/s); shorter K also slows cuBLAS's GEMM itself (lean mode: K = 512 at 1.35x).
+FORWARD_MIN_ROWS = 2048
 
 
 class Block(NamedTuple):
@@ -50,16 +60,21 @@ class LowMemoryPlan(ChunkPlan):
     block_cols: int = field(kw_only=True)
     grad_row_bytes: int = field(default=0, kw_only=True)
     scratch_col_bytes: int = field(default=0, kw_only=True)
+    # Forward's share: grad_weight rows [0, forward_cols), summed in float32 (float64 for float64 math) at
+    # byte ``forward_offset`` of grad_weight's storage; its logits buffer starts at byte 0.
+    forward_cols: int = field(default=0, kw_only=True)
+    forward_offset: int = field(default=0, kw_only=True)
 
-    def blocks(self, vocab: int, borrow: bool = True) -> Iterator[Block]:
-        """Backward's blocks, in order; ``borrow``: grad_weight is being written.
+    def blocks(self, vocab: int, borrow: bool = True, start: int | None = None) -> Iterator[Block]:
+        """Backward's blocks, in order, from column ``start`` (None: after forward's share); ``borrow``:
+        grad_weight is being written.
 
         Blocks write grad_weight's rows front to back, so the rows after a block are free until later
         blocks write them: the block keeps its scratch at the end of them and can be as wide as that room
         allows (at 8192 x 4096 x 128256 bf16 the first takes close to a third of the vocabulary). Each such
         block is one GEMM where the buffer would take several narrow ones (fewer launches). Once the room
         holds no more than ``block_cols`` columns, the rest take near-equal blocks of the buffer."""
-        start = 0
+        start = self.forward_cols if start is None else start
         while borrow and self.grad_row_bytes:
             cols, scratch = self._borrowed(start, vocab)
             if cols <= self.block_cols:
@@ -99,6 +114,7 @@ def plan_low_memory(
     input_cast: bool = False,
     chunk_size: int | None = None,
     memory_budget: int | None = None,
+    forward_share: bool = False,
 ) -> LowMemoryPlan:
     """Rows per forward chunk and vocabulary columns per backward block.
 
@@ -110,6 +126,8 @@ def plan_low_memory(
             live beside the buffers and come out of the budget.
         chunk_size: forward's rows per chunk chosen by the user (None: from the budget).
         memory_budget: bytes (None: ``LOW_MEMORY_BUDGET``).
+        forward_share: forward may sum a share of grad_weight (a 0-d reduction scale, no bias gradient, no
+            cast weight); taken where it fits (``_forward_share``).
 
     Forward's logits buffer: the budget, plus, when the weight gradient is wanted, that gradient's size:
     forward ends (and frees the buffer) before backward allocates it, so the peak is unchanged (at
@@ -119,9 +137,15 @@ def plan_low_memory(
     Backward's (n_rows, block_cols) dlogits buffer takes the budget, but at least ``MIN_BLOCK_ELEMENTS``
     of grad_weight per block (its GEMM fills the GPU), and whole tiles of ``BLOCK_ALIGN`` columns; the
     blocks before it borrow grad_weight's storage (``LowMemoryPlan.blocks``).
+    With forward's share the logits buffer takes at most half of grad_weight's storage and the share's
+    float32 sum the rest; the chunk's tile statistics, its scaled input rows (the exp-logits path) and
+    the product take the budget.
     """
     size = compute_dtype.itemsize
     memory_budget = LOW_MEMORY_BUDGET if memory_budget is None else memory_budget
+    share = forward_share and weight_grad and not weight_cast
+    sizes = (vocab, hidden, size, grad_dtype.itemsize, 8 if compute_dtype == torch.float64 else 4)
+    forward_cols = forward_offset = 0
     if chunk_size is None:
         budget = memory_budget
         if weight_grad:
@@ -131,9 +155,18 @@ def plan_low_memory(
         row_bytes = max(int(vocab * (size + STATS_BYTES_PER_COLUMN)), 1)
         rows = _balanced(n_rows, max(budget // row_bytes // ROW_ALIGN * ROW_ALIGN, ROW_ALIGN))
         spare = budget - rows * row_bytes
+        if share:
+            side_bytes = max(int(vocab * STATS_BYTES_PER_COLUMN) + hidden * size, 1)
+            most = min(vocab * hidden * grad_dtype.itemsize // 2 // max(vocab * size, 1), memory_budget // side_bytes)
+            share_rows = _balanced(n_rows, max(most // ROW_ALIGN * ROW_ALIGN, ROW_ALIGN))
+            forward_cols, forward_offset = _forward_share(n_rows, share_rows, *sizes)
+            if forward_cols:
+                rows, spare = share_rows, memory_budget - share_rows * side_bytes
     else:
         rows = min(chunk_size, n_rows)
         spare = memory_budget
+        if share:
+            forward_cols, forward_offset = _forward_share(n_rows, rows, *sizes)
     rows = max(rows, 1)
     input_product_cols = product_cols(spare, rows, hidden)
 
@@ -148,4 +181,23 @@ def plan_low_memory(
         cols = round_up(cdiv(vocab, cdiv(vocab, cols)), BLOCK_ALIGN)
     return LowMemoryPlan(n_rows=n_rows, rows=rows, accum_dtype=grad_dtype, input_product_cols=input_product_cols,
                          block_cols=cols, grad_row_bytes=hidden * grad_dtype.itemsize if weight_grad else 0,
-                         scratch_col_bytes=col_bytes)
+                         scratch_col_bytes=col_bytes, forward_cols=forward_cols, forward_offset=forward_offset)
+
+
+def _forward_share(n_rows: int, rows: int, vocab: int, hidden: int, size: int, grad_size: int,
+                   sum_size: int) -> tuple[int, int]:
+    """(forward_cols, forward_offset) for forward chunks of ``rows``: the most whole ``BLOCK_ALIGN`` columns
+    whose sum (``sum_size`` bytes per element) fits in grad_weight's storage after the (rows, vocab)
+    logits buffer and after the share's own rounded rows (backward writes those before it reads the sum
+    no more); (0, 0) where none fits, or where several chunks are shorter than ``FORWARD_MIN_ROWS``."""
+    if rows < min(n_rows, FORWARD_MIN_ROWS):
+        return 0, 0
+    total, buffer = vocab * hidden * grad_size, rows * vocab * size
+    cols = min(max(total - buffer, 0) // max(hidden * sum_size, 1), vocab * grad_size // (grad_size + sum_size))
+    cols = cols // BLOCK_ALIGN * BLOCK_ALIGN
+    while cols > 0:
+        offset = (total - cols * hidden * sum_size) // SCRATCH_ALIGN * SCRATCH_ALIGN
+        if offset >= max(buffer, cols * hidden * grad_size):
+            return cols, offset
+        cols -= BLOCK_ALIGN
+    return 0, 0

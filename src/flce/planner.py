@@ -22,7 +22,7 @@ ROW_ALIGN = 64
 # cuBLAS's 256-row tiles of the grad_input GEMM filling whole waves on a 132-SM Hopper GPU (H100, 32768
 # rows: 6144-row chunks 148.7 ms, 4096 149.9, but 5504, a third of a wave short, 154.6 against 151.7).
 WAVE_ROWS = 1024
-# A chunk's float32 grad_input product on the exp-logits path (``exp_logits.input_grad_chunk``, where a plan
+# A chunk's float32 grad_input product on the exp-logits path (``exp_logits.grads_chunk``, where a plan
 # budgets it) runs in pieces of whole tiles of PRODUCT_ALIGN columns, each at least MIN_PRODUCT_ELEMENTS
 # (128 output tiles of 128 x 256: about one wave on a 132-SM GPU).
 PRODUCT_ALIGN = 128
@@ -33,7 +33,7 @@ MIN_PRODUCT_ELEMENTS = 2**22
 class ChunkPlan:
     """rows: rows per chunk (the last one may be shorter); accum_dtype: grad_weight accumulator dtype;
     input_product_cols: grad_input columns per float32 product GEMM when a chunk computes grad_input alone
-    from stored exponentials (``exp_logits.input_grad_chunk``; the low-memory plan budgets it), 0 where the
+    from stored exponentials (``exp_logits.grads_chunk``; the low-memory plan budgets it), 0 where the
     plan budgets no such product (those chunks take the standard path)."""
 
     n_rows: int
