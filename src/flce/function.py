@@ -98,10 +98,12 @@ class LoopSpec(NamedTuple):
 class LoopMemory(NamedTuple):
     """Memory a caller lays out for the loop (the low-memory mode's forward, ``low_memory_plan``):
     ``buffer`` (plan.rows, V) for the chunks' logits, ``weight_sum`` (k, H) float32 (float64 for float64
-    math) for the first k rows of grad_weight, summed over the chunks."""
+    math) for the first k rows of grad_weight, summed over the chunks, and ``weight`` (V, H) for the
+    weight's copy in the compute dtype (autocast), or None."""
 
     buffer: torch.Tensor
     weight_sum: torch.Tensor
+    weight: torch.Tensor | None = None
 
 
 def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool) -> None:
@@ -139,7 +141,10 @@ def chunk_loop(
     n, hidden = x.shape
     vocab = weight.shape[0]
     dev = x.device
-    w = _as_dtype(weight, compute_dtype)  # no copy unless autocast asks for a narrower dtype
+    if memory is not None and memory.weight is not None and weight.dtype != compute_dtype:
+        w = memory.weight.copy_(weight)
+    else:
+        w = _as_dtype(weight, compute_dtype)  # no copy unless autocast asks for a narrower dtype
     grad = grad_scale is not None
     need_x, need_w, need_b = (grad and k for k in needs)
     defer = defer and grad and plan.num_chunks == 1

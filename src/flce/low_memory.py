@@ -14,9 +14,9 @@ exact gradients, and at most a small buffer plus the per-row lse above the gradi
 written. With reduction="none", grad_input's rows scale linearly with the per-row grad_output, and the
 block kernel takes it per row: nothing is recomputed twice.
 
-Where the plan finds room (``LowMemoryPlan.forward_cols``; a mean or sum, no bias gradient, no cast
-weight), forward allocates grad_weight's storage itself: its chunks' logits go at its start, and the first
-k rows of grad_weight, summed over the chunks in float32, at its end; backward rounds that sum times
+Where the plan finds room (``LowMemoryPlan.forward_cols``; a mean or sum, no bias gradient), forward
+allocates grad_weight's storage itself: its chunks' logits go at its start (after the weight's cast copy
+under autocast), and the first k rows of grad_weight, summed over the chunks in float32, at its end; backward rounds that sum times
 grad_output into those rows and recomputes the logits of the other columns only (a quarter of a GEMM
 less at 8192 x 4096 x 128256). The peak stays the same: forward's buffer already took grad_weight's size.
 """
@@ -221,17 +221,19 @@ def _weight_grads(x, weight, bias, target, class_weight, weight_sum, lse, block_
 
 
 def _forward_memory(spec: LoopSpec, weight: torch.Tensor) -> tuple[torch.Tensor, LoopMemory] | None:
-    """grad_weight (V, H), allocated now, and the loop's memory laid out in its bytes (``LowMemoryPlan``:
-    the logits buffer from byte 0, the share's sum from ``forward_offset``); None without a share."""
+    """grad_weight (V, H), allocated now, and the loop's memory laid out in its bytes (``LowMemoryPlan``: the
+    weight's cast copy under autocast from byte 0, the logits buffer from ``forward_buffer``, the share's sum
+    from ``forward_offset``); None without a share."""
     plan = spec.plan
-    if not getattr(plan, "forward_cols", 0) or weight.dtype != spec.compute_dtype:
+    if not getattr(plan, "forward_cols", 0):
         return None
     vocab, hidden = weight.shape
     grad_w = torch.empty(vocab, hidden, dtype=weight.dtype, device=weight.device)
     storage = grad_w.view(-1).view(torch.uint8)
-    buffer = _borrow(storage, 0, (plan.rows, vocab), spec.compute_dtype)
+    cast = _borrow(storage, 0, (vocab, hidden), spec.compute_dtype) if weight.dtype != spec.compute_dtype else None
+    buffer = _borrow(storage, plan.forward_buffer, (plan.rows, vocab), spec.compute_dtype)
     weight_sum = _borrow(storage, plan.forward_offset, (plan.forward_cols, hidden), math_dtype(spec.compute_dtype))
-    return grad_w, LoopMemory(buffer, weight_sum)
+    return grad_w, LoopMemory(buffer, weight_sum, cast)
 
 
 def _forward_scale(grad_scale: torch.Tensor | None, spec: LoopSpec, device: torch.device) -> torch.Tensor:

@@ -61,9 +61,11 @@ class LowMemoryPlan(ChunkPlan):
     grad_row_bytes: int = field(default=0, kw_only=True)
     scratch_col_bytes: int = field(default=0, kw_only=True)
     # Forward's share: grad_weight rows [0, forward_cols), summed in float32 (float64 for float64 math) at
-    # byte ``forward_offset`` of grad_weight's storage; its logits buffer starts at byte 0.
+    # byte ``forward_offset`` of grad_weight's storage; forward's copy of the weight in the compute dtype
+    # (autocast) at byte 0, its logits buffer at ``forward_buffer``.
     forward_cols: int = field(default=0, kw_only=True)
     forward_offset: int = field(default=0, kw_only=True)
+    forward_buffer: int = field(default=0, kw_only=True)
 
     def blocks(self, vocab: int, borrow: bool = True, start: int | None = None) -> Iterator[Block]:
         """Backward's blocks, in order, from column ``start`` (None: after forward's share); ``borrow``:
@@ -126,8 +128,8 @@ def plan_low_memory(
             live beside the buffers and come out of the budget.
         chunk_size: forward's rows per chunk chosen by the user (None: from the budget).
         memory_budget: bytes (None: ``LOW_MEMORY_BUDGET``).
-        forward_share: forward may sum a share of grad_weight (a 0-d reduction scale, no bias gradient, no
-            cast weight); taken where it fits (``_forward_share``).
+        forward_share: forward may sum a share of grad_weight (a 0-d reduction scale, no bias gradient);
+            taken where it fits (``_forward_share``).
 
     Forward's logits buffer: the budget, plus, when the weight gradient is wanted, that gradient's size:
     forward ends (and frees the buffer) before backward allocates it, so the peak is unchanged (at
@@ -137,15 +139,16 @@ def plan_low_memory(
     Backward's (n_rows, block_cols) dlogits buffer takes the budget, but at least ``MIN_BLOCK_ELEMENTS``
     of grad_weight per block (its GEMM fills the GPU), and whole tiles of ``BLOCK_ALIGN`` columns; the
     blocks before it borrow grad_weight's storage (``LowMemoryPlan.blocks``).
-    With forward's share the logits buffer takes at most half of grad_weight's storage and the share's
-    float32 sum the rest; the chunk's tile statistics, its scaled input rows (the exp-logits path) and
-    the product take the budget.
+    With forward's share the logits buffer takes at most half of grad_weight's storage (after the weight's
+    cast copy under autocast, which then lives there too) and the share's float32 sum the rest; the
+    chunk's tile statistics, its scaled (and cast) input rows and the product take the budget.
     """
     size = compute_dtype.itemsize
     memory_budget = LOW_MEMORY_BUDGET if memory_budget is None else memory_budget
-    share = forward_share and weight_grad and not weight_cast
-    sizes = (vocab, hidden, size, grad_dtype.itemsize, 8 if compute_dtype == torch.float64 else 4)
-    forward_cols = forward_offset = 0
+    share = forward_share and weight_grad
+    cast_bytes = vocab * hidden * size if weight_cast else 0  # forward's copy of the weight, then in the storage
+    sizes = (vocab, hidden, size, grad_dtype.itemsize, 8 if compute_dtype == torch.float64 else 4, cast_bytes)
+    forward_cols = forward_offset = forward_buffer = 0
     if chunk_size is None:
         budget = memory_budget
         if weight_grad:
@@ -156,17 +159,18 @@ def plan_low_memory(
         rows = _balanced(n_rows, max(budget // row_bytes // ROW_ALIGN * ROW_ALIGN, ROW_ALIGN))
         spare = budget - rows * row_bytes
         if share:
-            side_bytes = max(int(vocab * STATS_BYTES_PER_COLUMN) + hidden * size, 1)
-            most = min(vocab * hidden * grad_dtype.itemsize // 2 // max(vocab * size, 1), memory_budget // side_bytes)
+            side_bytes = max(int(vocab * STATS_BYTES_PER_COLUMN) + hidden * size * (2 if input_cast else 1), 1)
+            room = vocab * hidden * grad_dtype.itemsize - cast_bytes
+            most = min(room // 2 // max(vocab * size, 1), memory_budget // side_bytes)
             share_rows = _balanced(n_rows, max(most // ROW_ALIGN * ROW_ALIGN, ROW_ALIGN))
-            forward_cols, forward_offset = _forward_share(n_rows, share_rows, *sizes)
+            forward_cols, forward_offset, forward_buffer = _forward_share(n_rows, share_rows, *sizes)
             if forward_cols:
                 rows, spare = share_rows, memory_budget - share_rows * side_bytes
     else:
         rows = min(chunk_size, n_rows)
         spare = memory_budget
         if share:
-            forward_cols, forward_offset = _forward_share(n_rows, rows, *sizes)
+            forward_cols, forward_offset, forward_buffer = _forward_share(n_rows, rows, *sizes)
     rows = max(rows, 1)
     input_product_cols = product_cols(spare, rows, hidden)
 
@@ -181,23 +185,26 @@ def plan_low_memory(
         cols = round_up(cdiv(vocab, cdiv(vocab, cols)), BLOCK_ALIGN)
     return LowMemoryPlan(n_rows=n_rows, rows=rows, accum_dtype=grad_dtype, input_product_cols=input_product_cols,
                          block_cols=cols, grad_row_bytes=hidden * grad_dtype.itemsize if weight_grad else 0,
-                         scratch_col_bytes=col_bytes, forward_cols=forward_cols, forward_offset=forward_offset)
+                         scratch_col_bytes=col_bytes, forward_cols=forward_cols, forward_offset=forward_offset,
+                         forward_buffer=forward_buffer)
 
 
-def _forward_share(n_rows: int, rows: int, vocab: int, hidden: int, size: int, grad_size: int,
-                   sum_size: int) -> tuple[int, int]:
-    """(forward_cols, forward_offset) for forward chunks of ``rows``: the most whole ``BLOCK_ALIGN`` columns
-    whose sum (``sum_size`` bytes per element) fits in grad_weight's storage after the (rows, vocab)
-    logits buffer and after the share's own rounded rows (backward writes those before it reads the sum
-    no more); (0, 0) where none fits, or where several chunks are shorter than ``FORWARD_MIN_ROWS``."""
+def _forward_share(n_rows: int, rows: int, vocab: int, hidden: int, size: int, grad_size: int, sum_size: int,
+                   cast_bytes: int) -> tuple[int, int, int]:
+    """(forward_cols, forward_offset, forward_buffer) for forward chunks of ``rows``: the most whole
+    ``BLOCK_ALIGN`` columns whose sum (``sum_size`` bytes per element) fits in grad_weight's storage after
+    the weight's cast copy (``cast_bytes``), the (rows, vocab) logits buffer and the share's own rounded
+    rows (backward writes those before it reads the sum no more); zeros where none fits, or where several
+    chunks are shorter than ``FORWARD_MIN_ROWS``."""
     if rows < min(n_rows, FORWARD_MIN_ROWS):
-        return 0, 0
-    total, buffer = vocab * hidden * grad_size, rows * vocab * size
-    cols = min(max(total - buffer, 0) // max(hidden * sum_size, 1), vocab * grad_size // (grad_size + sum_size))
+        return 0, 0, 0
+    start = round_up(cast_bytes, SCRATCH_ALIGN)
+    total, used = vocab * hidden * grad_size, start + rows * vocab * size
+    cols = min(max(total - used, 0) // max(hidden * sum_size, 1), vocab * grad_size // (grad_size + sum_size))
     cols = cols // BLOCK_ALIGN * BLOCK_ALIGN
     while cols > 0:
         offset = (total - cols * hidden * sum_size) // SCRATCH_ALIGN * SCRATCH_ALIGN
-        if offset >= max(buffer, cols * hidden * grad_size):
-            return cols, offset
+        if offset >= max(used, cols * hidden * grad_size):
+            return cols, offset, start
         cols -= BLOCK_ALIGN
-    return 0, 0
+    return 0, 0, 0
