@@ -246,6 +246,20 @@ def test_low_memory_chunks_match_float64(path, low_memory_plan, monkeypatch, red
     assert all(0 < k < 120 for k, _ in shares)
 
 
+def test_low_memory_frozen_input_sums_the_share_alone(path, low_memory_plan, monkeypatch):
+    """A frozen input: forward's chunks store exp(z) for forward's share of grad_weight alone (no grad_input
+    product), backward's blocks take the other columns."""
+    low_memory_plan(16 * 16 * 4)
+    products, shares = [], []
+    monkeypatch.setattr(exp_logits, "input_grad", lambda *a: products.append(1))
+    real = exp_logits.weight_grad
+    monkeypatch.setattr(exp_logits, "weight_grad", lambda *a: shares.append(a[7]) or real(*a))
+    x, w, b, t, cw = case(weight_cls=True)
+    x.requires_grad_(False)
+    run_and_compare(x, w, b, t, cw, mode={"low_memory": True, "chunk_size": 16})
+    assert path.chunks == [16, 16, 8] and shares == [False, True, True] and not products
+
+
 def test_low_memory_frozen_weight_and_one_chunk(path, low_memory_plan):
     low_memory_plan(1 << 20)
     x, w, b, t, cw = case(weight_cls=True)
