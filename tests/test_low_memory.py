@@ -482,22 +482,22 @@ def check_share(plan, vocab, hidden, size, grad_size, budget=None, cast=False):
     if not plan.forward_cols:
         assert plan.forward_offset == plan.forward_buffer == 0
         return
-    total = vocab * hidden * grad_size
+    total, offset, start = vocab * hidden * grad_size, plan.forward_offset, plan.forward_buffer
     assert 0 < plan.forward_cols < vocab and plan.forward_cols % lmp.BLOCK_ALIGN == 0
-    assert plan.forward_offset % lmp.SCRATCH_ALIGN == 0 and plan.forward_offset + plan.forward_cols * hidden * 4 <= total
-    assert plan.forward_buffer % lmp.SCRATCH_ALIGN == 0 and plan.forward_buffer >= (vocab * hidden * size if cast else 0)
-    assert plan.forward_buffer + plan.rows * vocab * size <= plan.forward_offset
-    assert plan.forward_cols * hidden * grad_size <= plan.forward_offset
+    assert offset % lmp.SCRATCH_ALIGN == 0 and offset + plan.forward_cols * hidden * 4 <= total
+    assert start % lmp.SCRATCH_ALIGN == 0 and start >= (vocab * hidden * size if cast else 0)
+    assert start + plan.rows * vocab * size <= offset and plan.forward_cols * hidden * grad_size <= offset
     assert plan.num_chunks == 1 or plan.rows >= lmp.FORWARD_MIN_ROWS
-    if budget is not None:
-        assert plan.rows * (vocab * lmp.STATS_BYTES_PER_COLUMN + hidden * size) <= max(budget, lmp.ROW_ALIGN * (
-            vocab * lmp.STATS_BYTES_PER_COLUMN + hidden * size)) or plan.num_chunks == 1
+    if budget is not None:  # the statistics and the scaled (and cast) rows: the floor of ROW_ALIGN rows at least
+        side = vocab * lmp.STATS_BYTES_PER_COLUMN + hidden * size * (2 if cast else 1)
+        assert plan.rows * side <= max(budget, lmp.ROW_ALIGN * side) + side
 
 
 def check_blocks(plan, vocab, borrow=True):
-    """Blocks cover the vocabulary after forward's share once, in order; those that borrow grad_weight's storage come first, are
-    wider than the buffer's, and keep their aligned scratch inside that storage after every row written so
-    far; the buffer's are of one width, at most ``block_cols``, but the last, narrower one."""
+    """Blocks cover the vocabulary after forward's share once, in order; those that borrow grad_weight's
+    storage come first, are wider than the buffer's, and keep their aligned scratch inside that storage
+    after every row written so far; the buffer's are of one width, at most ``block_cols``, but the last,
+    narrower one."""
     blocks = list(plan.blocks(vocab, borrow))
     assert blocks[0].start == plan.forward_cols and blocks[-1].end == vocab
     assert all(a.end == b.start and a.start < a.end for a, b in zip(blocks, blocks[1:]))

@@ -100,7 +100,8 @@ def main():
 
         def no_share():
             plan = low_memory.plan_low_memory
-            with patch.object(low_memory, "plan_low_memory", lambda *args, **kw: plan(*args, **{**kw, "forward_share": False})):
+            with patch.object(low_memory, "plan_low_memory",
+                              lambda *args, **kw: plan(*args, **{**kw, "forward_share": False})):
                 flce_step()
 
         def base_kernels():

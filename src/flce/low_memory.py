@@ -16,9 +16,10 @@ block kernel takes it per row: nothing is recomputed twice.
 
 Where the plan finds room (``LowMemoryPlan.forward_cols``; a mean or sum, no bias gradient), forward
 allocates grad_weight's storage itself: its chunks' logits go at its start (after the weight's cast copy
-under autocast), and the first k rows of grad_weight, summed over the chunks in float32, at its end; backward rounds that sum times
-grad_output into those rows and recomputes the logits of the other columns only (a quarter of a GEMM
-less at 8192 x 4096 x 128256). The peak stays the same: forward's buffer already took grad_weight's size.
+under autocast), and the first k rows of grad_weight, summed over the chunks in float32, at its end.
+Backward rounds that sum times grad_output into those rows and recomputes the logits of the other
+columns only (a quarter of a GEMM less at 8192 x 4096 x 128256). The peak stays the same: forward's
+buffer already took grad_weight's size.
 """
 
 from __future__ import annotations
