@@ -141,7 +141,7 @@ def chunk_loop(
     n, hidden = x.shape
     vocab = weight.shape[0]
     dev = x.device
-    if memory is not None and memory.weight is not None and weight.dtype != compute_dtype:
+    if memory is not None and memory.weight is not None:  # autocast's copy, laid out by the caller
         w = memory.weight.copy_(weight)
     else:
         w = _as_dtype(weight, compute_dtype)  # no copy unless autocast asks for a narrower dtype

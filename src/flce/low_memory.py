@@ -226,7 +226,7 @@ def _forward_memory(spec: LoopSpec, weight: torch.Tensor) -> tuple[torch.Tensor,
     weight's cast copy under autocast from byte 0, the logits buffer from ``forward_buffer``, the share's sum
     from ``forward_offset``); None without a share."""
     plan = spec.plan
-    if not getattr(plan, "forward_cols", 0):
+    if not plan.forward_cols:
         return None
     vocab, hidden = weight.shape
     grad_w = torch.empty(vocab, hidden, dtype=weight.dtype, device=weight.device)
