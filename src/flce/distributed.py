@@ -5,7 +5,8 @@ rows each rank computes its slice of the logits; the ranks agree on the softmax 
 all-reduces (MAX of the row maxima, then one SUM of [sum of exp rescaled to the global max, target
 logit, smoothing sum]); each rank then writes its slice's gradient over its logits and runs the
 grad_weight GEMM for its rows of W. grad_input is the sum over ranks of dlogits @ W_shard: one
-all-reduce over the whole grad_input at the end. Neither logits nor weights travel.
+all-reduce over the whole grad_input at the end, in float32 for 16-bit inputs (rounded once). Neither
+logits nor weights travel.
 """
 
 from __future__ import annotations
@@ -271,7 +272,9 @@ def _chunk_loop(
         correct=torch.empty(n, dtype=acc, device=dev) if setup.want_correct else None,
     )
     grads = ChunkGrads(
-        input=torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None,
+        # Each rank's dlogits @ W_shard stays in the math dtype through the all-reduce: grad_input is
+        # rounded once, when backward scales it, not once per partial sum and per reduction step.
+        input=torch.empty(x.shape, dtype=acc, device=dev) if need_x else None,
         weight=torch.empty(weight.shape, dtype=plan.accum_dtype, device=dev) if need_w else None,
         bias=torch.zeros(weight.shape[0], dtype=acc, device=dev) if need_b else None,
     )
