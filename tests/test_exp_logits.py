@@ -65,14 +65,17 @@ def run_and_compare(x, w, b, t, cw, reduction="mean", grad_out=1.7, tol=None, mo
     own settings (low_memory, chunk_size). reduction='none' takes a random grad_output per row."""
     loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, weight=cw, reduction=reduction, backend="triton",
                                      **opts, **(mode or {}))
-    ref, (x64, w64, _) = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, reduction=reduction, **opts)
+    ref, (x64, w64, ref_b) = reference_loss(x, w, t, linear_bias=b, weight_cls=cw, reduction=reduction, **opts)
     tol = tol or TOL[x.dtype]
     assert_close(loss, ref, tol, "loss")
     g = torch.rand(loss.shape, device=loss.device, dtype=torch.float64) + 0.5 if loss.dim() else torch.tensor(
         grad_out, dtype=torch.float64, device=loss.device)
     loss.backward(g.to(loss.dtype))
     ref.backward(g)
-    for name, got, want in (("grad_input", x.grad, x64.grad), ("grad_weight", w.grad, w64.grad)):
+    grads = [("grad_input", x.grad, x64.grad), ("grad_weight", w.grad, w64.grad)]
+    if b is not None and b.requires_grad:
+        grads.append(("grad_bias", b.grad, ref_b.grad))
+    for name, got, want in grads:
         if want is not None:
             assert got.dtype == x.dtype, name
             assert_close(got, want, tol, name)
@@ -244,6 +247,22 @@ def test_low_memory_chunks_match_float64(path, low_memory_plan, monkeypatch, red
     assert path.chunks == [16, 16, 8] and path.taken == []
     assert [s[1] for s in shares] == ([False, True, True] if reduction != "none" else [])  # written, then summed into
     assert all(0 < k < 120 for k, _ in shares)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunk", [16, None])
+def test_low_memory_share_of_a_bias_gradient(path, low_memory_plan, monkeypatch, reduction, chunk):
+    """A trainable bias: forward's chunks sum the share's grad_bias entries from their stored exponentials too
+    (e^T times the row coefficients, the one-hot terms subtracted), beside the share of grad_weight."""
+    low_memory_plan(16 * 16 * 4 if chunk else 1 << 15)
+    shares = []
+    real = exp_logits.weight_grad
+    monkeypatch.setattr(exp_logits, "weight_grad", lambda *a: shares.append(a[8]) or real(*a))
+    x, w, b, t, cw = case(hidden=32 if chunk else 96, bias=True, weight_cls=True, ignore=0.2)
+    b.requires_grad_(True)  # one chunk: its buffer fits in half of a wider grad_weight's storage
+    run_and_compare(x, w, b, t, cw, reduction=reduction, mode={"low_memory": True, "chunk_size": chunk})
+    assert path.chunks == ([16, 16, 8] if chunk else [40]) and path.taken == []
+    assert shares and all(s is not None and 0 < s.shape[0] < 120 for s in shares)
 
 
 def test_low_memory_frozen_input_sums_the_share_alone(path, low_memory_plan, monkeypatch):

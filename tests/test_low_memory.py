@@ -190,11 +190,13 @@ def share(monkeypatch):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [8, None])  # several chunks (the sum read back by each), one chunk
-def test_forward_share_of_the_weight_gradient(backend, device, blocks, share, dtype, reduction, chunk):
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_share_of_the_weight_gradient(backend, device, blocks, share, dtype, reduction, chunk, bias):
     """Forward sums grad_weight's first columns in float32 inside grad_weight's own storage, beside its
-    logits buffer; backward rounds them times grad_output (1.7) and its blocks start after them."""
+    logits buffer (a trainable bias's first entries in a sum of their own); backward rounds them times
+    grad_output (1.7) and its blocks start after them."""
     check(backend, dtype, device, hidden=96, reduction=reduction, chunk_size=chunk, ignore=0.2, weight_cls=True,
-          label_smoothing=0.1, z_loss=1e-3)
+          label_smoothing=0.1, z_loss=1e-3, bias=bias)
     plan = share.plans[-1]
     assert plan.forward_cols > 0 and plan.num_chunks == (5 if chunk else 1)
     assert min(share.starts) == plan.forward_cols
@@ -211,8 +213,8 @@ def test_forward_share_under_autocast(backend, device, blocks, share, chunk):
 
 @pytest.mark.parametrize("case", ["none", "bias", "frozen input"])
 def test_forward_share_only_where_it_applies(backend, device, blocks, share, case):
-    """reduction='none' (grad_output per row comes in backward) and a bias gradient keep every column in
-    backward's blocks; a frozen input still lets forward take its share."""
+    """reduction='none' (grad_output per row comes in backward) keeps every column in backward's blocks; a
+    bias gradient or a frozen input still lets forward take its share."""
     kw = {"none": dict(reduction="none"), "bias": dict(bias=True), "frozen input": {}}[case]
     x, w, b, t, _ = make_case((37,), 64, 300, torch.float32, device, bias=kw.pop("bias", False))
     if case == "frozen input":
@@ -220,10 +222,12 @@ def test_forward_share_only_where_it_applies(backend, device, blocks, share, cas
     loss = flce.linear_cross_entropy(x, w, t, linear_bias=b, backend=backend, chunk_size=8, low_memory=True, **kw)
     loss.sum().backward()
     taken = share.plans[-1].forward_cols > 0
-    assert taken == (case == "frozen input") and min(share.starts) == share.plans[-1].forward_cols
-    ref, (_, w64, _) = reference_loss(x, w, t, linear_bias=b, **kw)
+    assert taken == (case != "none") and min(share.starts) == share.plans[-1].forward_cols
+    ref, (_, w64, b64) = reference_loss(x, w, t, linear_bias=b, **kw)
     ref.sum().backward()
     assert_close(w.grad, w64.grad, TOL[torch.float32], "grad_weight")
+    if b is not None:
+        assert_close(b.grad, b64.grad, TOL[torch.float32], "grad_bias")
 
 
 @pytest.mark.parametrize("target", ["input", "linear_weight", "linear_bias"])

@@ -11,7 +11,8 @@ against 1.024 (H200) and 1.015 against 1.029 (H100), 8192 x 2048 x 32000 1.059 /
 `exp_logits_ab_low_memory_4bf56f1.txt`). ``--frozen-weight`` measured the reverted chunk path (457c722). ``--low-memory --borrow`` compares the
 mode's backward blocks that borrow grad_weight's storage (``LowMemoryPlan.blocks``) with buffer-only blocks
 instead of the exp-logits path; ``--low-memory --share`` the mode with and without forward's share of grad_weight
-(``LowMemoryPlan.forward_cols``); ``--autocast`` runs flce on float32 leaves under bf16 autocast.
+(``LowMemoryPlan.forward_cols``); ``--autocast`` runs flce on float32 leaves under bf16 autocast; ``--bias`` gives
+the head a trainable bias.
 ``--chunk-sizes`` times flce with fixed chunk heights beside the default plan, each with its peak memory
 (`results/2026-11-26-h200-5ebccd8/chunk_size_ab_5ebccd8.txt`: within the spread at 32768 rows; one chunk at
 16384 rows 1.009 against 1.029, 1.7 GB more).
@@ -21,7 +22,7 @@ block GEMM) with another tree's, in the same steps (DIR holds that tree's ``src/
 times the kernels alone (`results/2026-11-25-h100-1a6937c/ab_*.txt`). GPU only:
 
     PYTHONPATH=src python benchmark/probes/exp_logits_ab.py [--shapes 4096x4096x128256,...] [--rounds 7]
-        [--low-memory [--borrow | --share]] [--base DIR] [--frozen-weight] [--autocast] [--min-rows 256]
+        [--low-memory [--borrow | --share]] [--base DIR] [--frozen-weight] [--autocast] [--bias] [--min-rows 256]
         [--chunk-sizes 8192,16384]
 """
 from __future__ import annotations
@@ -55,6 +56,8 @@ def main():
                    help="with --low-memory: backward blocks borrowing grad_weight's storage on / off")
     p.add_argument("--share", action="store_true",
                    help="with --low-memory: forward's share of grad_weight (LowMemoryPlan.forward_cols) on / off")
+    p.add_argument("--bias", action="store_true",
+                   help="a trainable bias on the head (GPT-J, Phi-2): flce computes its gradient too (the floor has none)")
     p.add_argument("--autocast", action="store_true",
                    help="float32 input and weight, flce under bf16 autocast (fp32 master weights; the floor stays bf16)")
     p.add_argument("--chunk-sizes", default=None,
@@ -78,12 +81,16 @@ def main():
 
         leaf_dtype = torch.float32 if a.autocast else torch.bfloat16
         x_leaf, w_leaf = x.to(leaf_dtype), w.to(leaf_dtype)
+        b_leaf = (torch.randn(vocab, device="cuda") * 0.1).to(leaf_dtype) if a.bias else None
 
         def flce_step(chunk_size=None):
             xl, wl = x_leaf.detach().requires_grad_(), w_leaf.detach().requires_grad_(not a.frozen_weight)
             leaves = (xl,) if a.frozen_weight else (xl, wl)
+            bl = None if b_leaf is None else b_leaf.detach().requires_grad_()
+            leaves += () if bl is None else (bl,)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.autocast):
-                loss = flce.linear_cross_entropy(xl, wl, t, low_memory=a.low_memory, chunk_size=chunk_size)
+                loss = flce.linear_cross_entropy(xl, wl, t, linear_bias=bl, low_memory=a.low_memory,
+                                                 chunk_size=chunk_size)
             return torch.autograd.grad(loss, leaves)
 
         def variant(min_rows):

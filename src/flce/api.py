@@ -124,7 +124,7 @@ def linear_cross_entropy(
 
     def plan_for(rows: int) -> ChunkPlan:
         if low_memory:
-            return low_memory_plan(rows, x, linear_weight, linear_bias, dtype, chunk_size, reduction)
+            return low_memory_plan(rows, x, linear_weight, dtype, chunk_size, reduction)
         return plan_chunks(rows, vocab, dtype, linear_weight.dtype, chunk_size=chunk_size,
                            accum_dtype=accum_dtype, weight_grad_hidden=weight_grad_hidden(linear_weight))
 

@@ -21,10 +21,10 @@ check does) and, if any, the gradients are recomputed through the standard path 
 then takes the standard path for its next ``COOL_DOWN`` calls. Options that need every logit (label smoothing, z-loss,
 softcap, accuracy, a bias gradient) and reduction='none' take the standard path.
 
-The low-memory mode's forward chunks, which want grad_input and at most a share of grad_weight, take the
-same path chunk by chunk (``grads_chunk``), grad_input from float32 products of the columns its plan has
-memory for (``ChunkPlan.input_product_cols``); their window check is read in that mode's backward
-(``low_memory.py``).
+The low-memory mode's forward chunks, which want grad_input and at most a share of grad_weight (and of
+grad_bias), take the same path chunk by chunk (``grads_chunk``), grad_input from float32 products of the
+columns its plan has memory for (``ChunkPlan.input_product_cols``); their window check is read in that
+mode's backward (``low_memory.py``).
 The standard path's several chunks keep the CE pass: on the path they were no faster (benchmark/NOTES.md).
 """
 
@@ -132,19 +132,20 @@ def forward_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
 def grads_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                 loss: torch.Tensor, lse: torch.Tensor, class_weight: torch.Tensor | None, scale: torch.Tensor,
                 opts: LossOptions, e: torch.Tensor, misses: torch.Tensor, grad_input: torch.Tensor | None,
-                product_cols: int, weight_sum: torch.Tensor | None = None, accumulate: bool = False) -> None:
+                product_cols: int, weight_sum: torch.Tensor | None = None, accumulate: bool = False,
+                bias_sum: torch.Tensor | None = None) -> None:
     """A chunk of the low-memory mode's forward: exp(z) stored into ``e`` and the row kernel run
     (``_store_exp_and_rows``; rows outside the window added to ``misses``, (1,) int32), then grad_input
     (m, H), any row stride, times ``scale`` (0-d), from float32 products of ``product_cols`` columns
     (``input_grad``), and the chunk's part of grad_weight's first k rows added to (or, without
-    ``accumulate``, written into) ``weight_sum`` (k, H) (``weight_grad``). x_c (m, H), w (V, H), e (m, V)
-    contiguous."""
+    ``accumulate``, written into) ``weight_sum`` (k, H) (``weight_grad``), and of grad_bias's first k added to
+    ``bias_sum`` (k,). x_c (m, H), w (V, H), e (m, V) contiguous."""
     keys = torch.empty(x_c.shape[0], dtype=torch.int32, device=e.device)  # grad_weight's sort keys
     coef = _store_exp_and_rows(x_c, w, bias, target, class_weight, opts, e, loss, lse, keys, misses)
     if grad_input is not None:
         input_grad(e, w, coef[0], target, coef[1], scale, grad_input, product_cols)
     if weight_sum is not None:
-        weight_grad(e, x_c, coef[0], keys, coef[1], scale, weight_sum, accumulate)
+        weight_grad(e, x_c, coef[0], keys, coef[1], scale, weight_sum, accumulate, bias_sum)
 
 
 def _store_exp_and_rows(x_c, w, bias, target, class_weight, opts: LossOptions, e, loss, lse, keys, misses,
@@ -181,16 +182,23 @@ def input_grad(e: torch.Tensor, w: torch.Tensor, coef: torch.Tensor, target: tor
 
 
 def weight_grad(e: torch.Tensor, x_c: torch.Tensor, coef: torch.Tensor, keys: torch.Tensor, target_coef: torch.Tensor,
-                scale: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+                scale: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
+                bias_out: torch.Tensor | None = None) -> torch.Tensor:
     """out (k, H) (+)= scale (e^T @ (diag(coef) x_c) - onehot(keys)^T (target_coef * x_c)) for the first k
-    vocabulary rows (k <= V), the second term row by row in float32 (``subtract_target_rows``)."""
+    vocabulary rows (k <= V), the second term row by row in float32 (``subtract_target_rows``); with
+    ``bias_out`` (k,), the same of a column of ones added to it (grad_bias: a bias is a weight on 1)."""
     from .kernels.exp_rows_triton import row_scale, subtract_target_rows
 
-    xs = row_scale(x_c, coef, scale, torch.empty(x_c.shape, dtype=x_c.dtype, device=x_c.device))
     k = out.shape[0]
-    mm_into(out, (e if k == e.shape[1] else e[:, :k]).t(), xs, accumulate=accumulate)
+    e_k = e if k == e.shape[1] else e[:, :k]
+    xs = row_scale(x_c, coef, scale, torch.empty(x_c.shape, dtype=x_c.dtype, device=x_c.device))
+    mm_into(out, e_k.t(), xs, accumulate=accumulate)
     del xs
     subtract_target_rows(out, x_c, keys, target_coef, scale)
+    if bias_out is not None:
+        ones = torch.ones(x_c.shape[0], 1, dtype=x_c.dtype, device=x_c.device)
+        mm_into(bias_out[:, None], e_k.t(), row_scale(ones, coef, scale, torch.empty_like(ones)), accumulate=True)
+        subtract_target_rows(bias_out[:, None], ones, keys, target_coef, scale)
     return out
 
 

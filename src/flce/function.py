@@ -98,24 +98,30 @@ class LoopSpec(NamedTuple):
 class LoopMemory(NamedTuple):
     """Memory a caller lays out for the loop (the low-memory mode's forward, ``low_memory_plan``):
     ``buffer`` (plan.rows, V) for the chunks' logits, ``weight_sum`` (k, H) float32 (float64 for float64
-    math) for the first k rows of grad_weight, summed over the chunks, and ``weight`` (V, H) for the
-    weight's copy in the compute dtype (autocast), or None."""
+    math) for the first k rows of grad_weight, summed over the chunks, ``weight`` (V, H) for the
+    weight's copy in the compute dtype (autocast), or None, and ``bias_sum`` (k,) zeros in the math dtype
+    for the first k entries of grad_bias, or None (no bias gradient)."""
 
     buffer: torch.Tensor
     weight_sum: torch.Tensor
     weight: torch.Tensor | None = None
+    bias_sum: torch.Tensor | None = None
 
 
 def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool) -> None:
-    """grad_input[rows] = dl @ w; grad_weight (+)= dl^T @ x_c (its first rows only, when grads.weight has
-    fewer than V: ``LoopMemory``); grad_bias += dl summed over rows."""
+    """grad_input[rows] = dl @ w; grad_weight (+)= dl^T @ x_c; grad_bias += dl summed over rows (of the
+    gradients' first rows only, where they have fewer than V: ``LoopMemory``)."""
     if grads.input is not None:
         mm_into(_take(grads.input, rows), dl, w, accumulate=False)
     if grads.weight is not None:
-        k = grads.weight.shape[0]
-        mm_into(grads.weight, (dl if k == dl.shape[1] else dl[:, :k]).t(), x_c, accumulate=accumulate)
+        mm_into(grads.weight, _first_cols(dl, grads.weight.shape[0]).t(), x_c, accumulate=accumulate)
     if grads.bias is not None:
-        grads.bias += dl.sum(0, dtype=grads.bias.dtype)
+        grads.bias += _first_cols(dl, grads.bias.shape[0]).sum(0, dtype=grads.bias.dtype)
+
+
+def _first_cols(t: torch.Tensor, k: int) -> torch.Tensor:
+    """t[:, :k], without a dispatcher call when that is all of t."""
+    return t if k == t.shape[1] else t[:, :k]
 
 
 def chunk_loop(
@@ -164,7 +170,8 @@ def chunk_loop(
             input=torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None,
             weight=None if not need_w else memory.weight_sum if memory is not None else torch.empty(
                 vocab, hidden, dtype=plan.accum_dtype, device=dev),
-            bias=torch.zeros(vocab, dtype=acc, device=dev) if need_b else None,
+            bias=None if not need_b else memory.bias_sum if memory is not None else torch.zeros(
+                vocab, dtype=acc, device=dev),
         )
     if n == 0:
         if grads is None:
@@ -181,10 +188,10 @@ def chunk_loop(
     buffer = memory.buffer if memory is not None else torch.empty(
         plan.rows, vocab, dtype=compute_dtype, device=dev) if plan.num_chunks > 1 else None
     row_scale = grad and grad_scale.dim() == 1
-    # Chunks that compute grad_input alone (and a share of grad_weight in the caller's memory) may store
-    # exp(logits) where the plan budgets the product.
-    exp_input = (plan.input_product_cols > 0 and (need_x or need_w) and not need_b
-                 and (memory is not None or not need_w))
+    # Chunks that compute grad_input alone (and a share of grad_weight and grad_bias in the caller's memory)
+    # may store exp(logits) where the plan budgets the product.
+    exp_input = plan.input_product_cols > 0 and (need_x or need_w) and (
+        memory is not None or not (need_w or need_b))
     misses = None
     for i, (start, end) in enumerate(plan.bounds()):
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
@@ -202,7 +209,8 @@ def chunk_loop(
                 e = torch.empty(end - start, vocab, dtype=compute_dtype, device=dev) if out is None else out
                 exp_logits.grads_chunk(x_c, w, bias, _take(target, rows), _take(parts.loss, rows),
                                        _take(parts.lse, rows), class_weight, grad_scale, opts, e, misses,
-                                       _take(grads.input, rows), plan.input_product_cols, grads.weight, i > 0)
+                                       _take(grads.input, rows), plan.input_product_cols, grads.weight, i > 0,
+                                       grads.bias)
                 continue
         logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend)
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),

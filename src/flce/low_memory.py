@@ -14,11 +14,11 @@ exact gradients, and at most a small buffer plus the per-row lse above the gradi
 written. With reduction="none", grad_input's rows scale linearly with the per-row grad_output, and the
 block kernel takes it per row: nothing is recomputed twice.
 
-Where the plan finds room (``LowMemoryPlan.forward_cols``; a mean or sum, no bias gradient), forward
-allocates grad_weight's storage itself: its chunks' logits go at its start (after the weight's cast copy
-under autocast), and the first k rows of grad_weight, summed over the chunks in float32, at its end.
-Backward rounds that sum times grad_output into those rows and recomputes the logits of the other
-columns only (a quarter of a GEMM less at 8192 x 4096 x 128256). The peak stays the same: forward's
+Where the plan finds room (``LowMemoryPlan.forward_cols``; a mean or sum), forward allocates
+grad_weight's storage itself: its chunks' logits go at its start (after the weight's cast copy under
+autocast), and the first k rows of grad_weight, summed over the chunks in float32, at its end (a trainable
+bias's first k entries in a (k,) sum beside it). Backward rounds that sum times grad_output into those rows
+and recomputes the logits of the other columns only (a quarter of a GEMM less at 8192 x 4096 x 128256). The peak stays the same: forward's
 buffer already took grad_weight's size.
 """
 
@@ -35,8 +35,8 @@ from .low_memory_plan import LowMemoryPlan, plan_low_memory
 from .options import LossOptions
 
 
-def low_memory_plan(n_rows: int, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    compute_dtype: torch.dtype, chunk_size: int | None, reduction: str) -> LowMemoryPlan:
+def low_memory_plan(n_rows: int, input: torch.Tensor, weight: torch.Tensor, compute_dtype: torch.dtype,
+                    chunk_size: int | None, reduction: str) -> LowMemoryPlan:
     """``plan_low_memory`` for these tensors (whether backward allocates grad_weight, whether autocast casts
     them, whether forward may take a share of grad_weight)."""
     grad = torch.is_grad_enabled()
@@ -44,7 +44,7 @@ def low_memory_plan(n_rows: int, input: torch.Tensor, weight: torch.Tensor, bias
                            weight_grad=grad and weight.requires_grad,
                            weight_cast=weight.dtype != compute_dtype, input_cast=input.dtype != compute_dtype,
                            chunk_size=chunk_size,
-                           forward_share=reduction != "none" and not (grad and bias is not None and bias.requires_grad))
+                           forward_share=reduction != "none")
 
 
 def check_low_memory(low_memory: object, accum_dtype: torch.dtype | None) -> None:
@@ -84,19 +84,20 @@ def block_logits_grad(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Ten
 
 def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, terms: RowTerms,
                        need_w: bool, need_b: bool, spec: LoopSpec, grad_w: torch.Tensor | None = None,
-                       first: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                       first: int = 0, grad_b: torch.Tensor | None = None) -> tuple[torch.Tensor | None,
+                                                                                      torch.Tensor | None]:
     """grad_weight (V, H) in the weight's dtype and grad_bias (V,) in the math dtype, block by block of vocabulary
-    columns (``spec.plan.blocks``) from column ``first`` (rows before it are written already, into the given
-    ``grad_w``), each from all n rows at once. x: (n, H), weight: (V, H). A block's dlogits (and its weight
+    columns (``spec.plan.blocks``) from column ``first`` (entries before it are written already, into the given
+    ``grad_w`` and ``grad_b``), each from all n rows at once. x: (n, H), weight: (V, H). A block's dlogits (and its weight
     rows cast under autocast) go in grad_weight's rows that later blocks write, where the plan found room,
     else in the budget's buffer."""
     opts, plan, compute_dtype, backend = spec.opts, spec.plan, spec.compute_dtype, spec.backend
     n, hidden = x.shape
     vocab = weight.shape[0]
-    assert not (first and need_b), "forward's share of grad_weight comes without a bias gradient"
     if grad_w is None and need_w:
         grad_w = torch.empty(vocab, hidden, dtype=weight.dtype, device=x.device)
-    grad_b = torch.empty(vocab, dtype=math_dtype(compute_dtype), device=x.device) if need_b else None
+    if grad_b is None and need_b:
+        grad_b = torch.empty(vocab, dtype=math_dtype(compute_dtype), device=x.device)
     if n == 0:
         return tuple(None if g is None else g.zero_() for g in (grad_w, grad_b))
     x_c = _as_dtype(x, compute_dtype)
@@ -148,14 +149,16 @@ class LowMemoryFunction(torch.autograd.Function):
     def forward(ctx, loop, spec, x, weight, bias, target, class_weight, weight_sum, grad_scale, target_check):
         ctx.set_materialize_grads(False)
         needs = tuple(ctx.needs_input_grad[2:5])
-        memory = _forward_memory(spec, weight) if needs[1] and not needs[2] and grad_scale is not None else None
-        # grad_input (and a share of grad_weight) in forward, times the reduction's scale (1 for 'none':
-        # backward scales grad_input's rows).
+        memory = _forward_memory(spec, weight, needs[2]) if needs[1] and grad_scale is not None else None
+        # grad_input (and a share of grad_weight and grad_bias) in forward, times the reduction's scale (1 for
+        # 'none': backward scales grad_input's rows).
         fwd_scale = _forward_scale(grad_scale, spec, x.device) if needs[0] or memory else None
+        share = memory is not None
         parts, grads = loop(x, weight, bias, target, class_weight, weight_sum, fwd_scale,
-                            (needs[0], memory is not None, False), spec, memory=memory[1] if memory else None)
+                            (needs[0], share, share and needs[2]), spec, memory=memory[1] if memory else None)
         ctx.grad_input, ctx.window = grads.input, grads.window
-        ctx.share = (memory[0], grads.weight) if memory else None  # grad_weight's storage, the share's sum
+        # grad_weight's storage, the share's sums
+        ctx.share = (memory[0], grads.weight, grads.bias) if memory else None
         ctx.consumed = False
         ctx.meta = (loop, spec, needs, (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
         ctx.target_check = target_check
@@ -177,7 +180,7 @@ class LowMemoryFunction(torch.autograd.Function):
         loop, spec, needs, dtypes = ctx.meta
         x, weight, bias, target, class_weight, weight_sum, grad_scale, lse = ctx.saved_tensors
         grad_x, ctx.grad_input = ctx.grad_input, None
-        (grad_w, share_sum), ctx.share = ctx.share or (None, None), None
+        (grad_w, share_sum, bias_share), ctx.share = ctx.share or (None, None, None), None
         g = _as_dtype(grad_loss, math_dtype(spec.compute_dtype))  # float64 stays float64
         if grad_scale is None:  # reduction='none': grad_output per row
             g = g.reshape(-1).contiguous()
@@ -186,14 +189,17 @@ class LowMemoryFunction(torch.autograd.Function):
             block_scale = grad_scale * g
         if grad_x is not None:
             _scale_input_grad(grad_x, g, dtypes[0], spec)
-        first = 0
-        if share_sum is not None:  # forward's share: its float32 sum times grad_output, rounded once
+        first, grad_b = 0, None
+        if share_sum is not None:  # forward's share: its float32 sums times grad_output, rounded once
             first = share_sum.shape[0]
             scale_into(share_sum, g, dtypes[1], spec.backend, out=grad_w[:first])
             share_sum = None  # the first blocks borrow its bytes (queued after this read)
+            if bias_share is not None:
+                grad_b = torch.empty(weight.shape[0], dtype=bias_share.dtype, device=x.device)
+                torch.mul(bias_share, g, out=grad_b[:first])
         # After the exp-logits forward (a window check exists) the lse is that of the unrounded logits.
         grad_w, grad_b = _weight_grads(x, weight, bias, target, class_weight, weight_sum, lse, block_scale, needs, spec,
-                                       exact_lse=ctx.window is not None, grad_w=grad_w, first=first)
+                                       exact_lse=ctx.window is not None, grad_w=grad_w, first=first, grad_b=grad_b)
         if ctx.window is not None and ctx.window.missed():
             # Rows left the exp-logits window: forward again on the standard path, whose lse matches the
             # rounded logits that the blocks recompute, and the blocks again with it (rare: the device
@@ -212,19 +218,20 @@ class LowMemoryFunction(torch.autograd.Function):
 
 
 def _weight_grads(x, weight, bias, target, class_weight, weight_sum, lse, block_scale, needs, spec: LoopSpec,
-                  exact_lse: bool = False, grad_w: torch.Tensor | None = None,
-                  first: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                  exact_lse: bool = False, grad_w: torch.Tensor | None = None, first: int = 0,
+                  grad_b: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Backward's vocabulary-block loop, where grad_weight or grad_bias is wanted."""
     if not (needs[1] or needs[2]):
         return None, None
     terms = RowTerms(target, lse, class_weight, weight_sum, block_scale, exact_lse)
-    return weight_grad_blocks(x, weight, bias, terms, needs[1], needs[2], spec, grad_w, first)
+    return weight_grad_blocks(x, weight, bias, terms, needs[1], needs[2], spec, grad_w, first, grad_b)
 
 
-def _forward_memory(spec: LoopSpec, weight: torch.Tensor) -> tuple[torch.Tensor, LoopMemory] | None:
+def _forward_memory(spec: LoopSpec, weight: torch.Tensor, bias_grad: bool) -> tuple[torch.Tensor, LoopMemory] | None:
     """grad_weight (V, H), allocated now, and the loop's memory laid out in its bytes (``LowMemoryPlan``: the
     weight's cast copy under autocast from byte 0, the logits buffer from ``forward_buffer``, the share's sum
-    from ``forward_offset``); None without a share."""
+    from ``forward_offset``), with ``bias_grad`` the share's grad_bias sum (k,) beside it; None without a
+    share."""
     plan = spec.plan
     if not plan.forward_cols:
         return None
@@ -234,7 +241,8 @@ def _forward_memory(spec: LoopSpec, weight: torch.Tensor) -> tuple[torch.Tensor,
     cast = _borrow(storage, 0, (vocab, hidden), spec.compute_dtype) if weight.dtype != spec.compute_dtype else None
     buffer = _borrow(storage, plan.forward_buffer, (plan.rows, vocab), spec.compute_dtype)
     weight_sum = _borrow(storage, plan.forward_offset, (plan.forward_cols, hidden), math_dtype(spec.compute_dtype))
-    return grad_w, LoopMemory(buffer, weight_sum, cast)
+    bias_sum = torch.zeros(plan.forward_cols, dtype=weight_sum.dtype, device=weight.device) if bias_grad else None
+    return grad_w, LoopMemory(buffer, weight_sum, cast, bias_sum)
 
 
 def _forward_scale(grad_scale: torch.Tensor | None, spec: LoopSpec, device: torch.device) -> torch.Tensor:

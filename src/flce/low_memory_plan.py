@@ -128,8 +128,8 @@ def plan_low_memory(
             live beside the buffers and come out of the budget.
         chunk_size: forward's rows per chunk chosen by the user (None: from the budget).
         memory_budget: bytes (None: ``LOW_MEMORY_BUDGET``).
-        forward_share: forward may sum a share of grad_weight (a 0-d reduction scale, no bias gradient);
-            taken where it fits (``_forward_share``).
+        forward_share: forward may sum a share of grad_weight (a 0-d reduction scale); taken where it
+            fits (``_forward_share``).
 
     Forward's logits buffer: the budget, plus, when the weight gradient is wanted, that gradient's size:
     forward ends (and frees the buffer) before backward allocates it, so the peak is unchanged (at
