@@ -423,7 +423,11 @@ def test_end_to_end_with_the_hopper_gemms(fused, blocks, reduction):
     blocks(128)
     check("triton", torch.float16, DEVICE, shape=(40,), hidden=32, vocab=520, reduction=reduction,
           chunk_size=16, **dict(OPTION_SETS["all"]))
-    assert len(fused) == 5  # blocks of 128, 128, 128, 128, 8 columns (16-byte aligned rows)
+    # 'none': blocks of 128, 128, 128, 128, 8 columns (16-byte aligned rows); a mean: those after forward's share
+    plan = lmp.plan_low_memory(40, 520, 32, torch.float16, torch.float16, weight_grad=True, chunk_size=16,
+                               forward_share=reduction != "none")
+    assert (plan.forward_cols > 0) == (reduction != "none")
+    assert len(fused) == len(list(plan.blocks(520))) == (5 if reduction == "none" else 5 - plan.forward_cols // 128)
 
 
 @needs_triton
