@@ -68,3 +68,18 @@ def test_fallback_is_used_where_out_dtype_is_missing():
 @pytest.mark.gpu
 def test_out_dtype_available_on_cuda():
     assert gemm.supports_out_dtype(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("n", [1, 37])
+@pytest.mark.parametrize("out_dtype,op_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
+                                                (torch.float64, torch.float64)])
+def test_column_sums_into(device, n, out_dtype, op_dtype):
+    """Sums over rows, written then accumulated, of a whole matrix and of its first columns (row stride wider
+    than the columns read): against float64, for one row too."""
+    a1, a2 = (torch.randn(n, 300, device=device).to(op_dtype) for _ in range(2))
+    out = torch.full((120,), float("nan"), dtype=out_dtype, device=device)  # poisoned: must be overwritten
+    gemm.column_sums_into(out, a1[:, :120], accumulate=False)
+    gemm.column_sums_into(out, a2[:, :120], accumulate=True)
+    want = a1[:, :120].double().sum(0) + a2[:, :120].double().sum(0)
+    assert out.dtype == out_dtype
+    assert rel_err(out, want) < {torch.float64: 1e-12}.get(op_dtype, 1e-5)

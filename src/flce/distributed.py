@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .checks import check_and_compact, check_class_weight, check_tensors, compute_dtype, flat_targets
 from .function import ChunkGrads, LossParts, finish_forward, not_twice_differentiable, release, scale_grads, take_grads
-from .gemm import mm_into
+from .gemm import column_sums_into, mm_into
 from .import_hooks import compile_disabled
 from .kernels import math_dtype, resolve_backend
 from .kernels.ce_vocab_parallel import ROW_MAX, STATS, SUM_EXP, SUM_LOGITS, TARGET_LOGIT, shard_grad, shard_stats
@@ -305,7 +305,7 @@ def _chunk_loop(
         if need_w:
             mm_into(grads.weight, logits.t(), x_c, accumulate=i > 0)
         if need_b:
-            grads.bias += logits.sum(0, dtype=acc)
+            column_sums_into(grads.bias, logits, accumulate=True)
     if summing is not None:
         summing.wait()
     return parts, grads

@@ -39,7 +39,7 @@ import torch
 
 from . import exp_logits, loss_only
 from .exp_logits import PendingExp
-from .gemm import mm_into, mm_new
+from .gemm import column_sums_into, mm_into, mm_new
 from .kernels import ce_chunk, math_dtype
 from .kernels.scale import scale_into
 from .options import LossOptions
@@ -116,7 +116,7 @@ def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool)
     if grads.weight is not None:
         mm_into(grads.weight, _first_cols(dl, grads.weight.shape[0]).t(), x_c, accumulate=accumulate)
     if grads.bias is not None:
-        grads.bias += _first_cols(dl, grads.bias.shape[0]).sum(0, dtype=grads.bias.dtype)
+        column_sums_into(grads.bias, _first_cols(dl, grads.bias.shape[0]), accumulate=True)
 
 
 def _first_cols(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -283,7 +283,7 @@ def finish_pending(p: PendingGrads, x_c: torch.Tensor, w: torch.Tensor, g: torch
     if needs[1]:
         grads.weight = mm_new(dl.t(), x, w_dtype)
     if needs[2]:
-        b = dl.sum(0, dtype=g.dtype)
+        b = column_sums_into(torch.empty(dl.shape[1], dtype=g.dtype, device=dl.device), dl, accumulate=False)
         grads.bias = (b if g_left is None else b * g_left).to(b_dtype)
     return grads
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .function import LoopMemory, LoopSpec
-from .gemm import mm_into
+from .gemm import column_sums_into, mm_into
 from .kernels import math_dtype
 from .kernels.ce_block_torch import RowTerms, ce_block_torch
 from .kernels.scale import scale_into
@@ -120,7 +120,7 @@ def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         if grad_w is not None:
             mm_into(grad_w[start:end], dz.t(), x_c, accumulate=False)
         if grad_b is not None:
-            torch.sum(dz, 0, dtype=grad_b.dtype, out=grad_b[start:end])
+            column_sums_into(grad_b[start:end], dz, accumulate=False)
     return grad_w, grad_b
 
 
