@@ -70,12 +70,14 @@ def test_out_dtype_available_on_cuda():
     assert gemm.supports_out_dtype(torch.device("cuda"))
 
 
+@pytest.mark.parametrize("gemv", [False, True])
 @pytest.mark.parametrize("n", [1, 37])
 @pytest.mark.parametrize("out_dtype,op_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
                                                 (torch.float64, torch.float64)])
-def test_column_sums_into(device, n, out_dtype, op_dtype):
+def test_column_sums_into(device, monkeypatch, gemv, n, out_dtype, op_dtype):
     """Sums over rows, written then accumulated, of a whole matrix and of its first columns (row stride wider
-    than the columns read): against float64, for one row too."""
+    than the columns read): against float64, for one row too; on a GPU as a GEMV and as torch's sum."""
+    monkeypatch.setattr(gemm, "GEMV_MIN_ROWS", 1 if gemv else 1 << 30)
     a1, a2 = (torch.randn(n, 300, device=device).to(op_dtype) for _ in range(2))
     out = torch.full((120,), float("nan"), dtype=out_dtype, device=device)  # poisoned: must be overwritten
     gemm.column_sums_into(out, a1[:, :120], accumulate=False)

@@ -57,11 +57,18 @@ def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return out
 
 
+# Rows from which a GPU sums columns as a GEMV (``column_sums_into``).
+GEMV_MIN_ROWS = 1024
+
+
 def column_sums_into(out: torch.Tensor, a: torch.Tensor, *, accumulate: bool) -> torch.Tensor:
-    """out (C,) = a (n, C) summed over its rows (or out += that), in out's dtype. On a GPU as a GEMV against
-    ones (float32 inside): torch's sum over dim 0 with a wider dtype keeps a staging buffer (133 MiB for an
-    8192 x 20480 bf16 block on an H200), the GEMV nothing."""
-    if not a.is_cuda:
+    """out (C,) = a (n, C) summed over its rows (or out += that), in out's dtype. On a GPU from
+    ``GEMV_MIN_ROWS`` rows as a GEMV against ones (float32 inside): there torch's sum over dim 0 into a wider
+    dtype keeps a staging buffer of 132-141 MiB (8192 x 3712 to 8192 x 20480 bf16) and 501 MiB at 8192 x
+    128256 where the GEMV takes none, at the same speed from 20480 columns (H200,
+    benchmark/results/2026-11-26-h200-eafbb74/column_sums.txt); at 256 rows the sum needs no buffer and is
+    twice as fast."""
+    if not a.is_cuda or a.shape[0] < GEMV_MIN_ROWS:
         part = a.sum(0, dtype=out.dtype)
         return out.add_(part) if accumulate else out.copy_(part)
     ones = torch.ones(a.shape[0], 1, dtype=a.dtype, device=a.device)
