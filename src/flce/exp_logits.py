@@ -209,12 +209,12 @@ def finish(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, g: torch.Tensor, n
     operands, from ``ctx.saved_tensors``."""
     g_total = (g * p.scale).float()
     grad_x = grad_w = None
+    if needs[0]:  # first: its float32 product is freed before grad_weight is allocated
+        grad_x = input_grad(p.e, w, p.coef, p.target, p.target_coef, g_total,
+                            torch.empty(x_c.shape, dtype=dtypes[0], device=x_c.device), x_c.shape[1])
     if needs[1]:
         grad_w = weight_grad(p.e, x_c, p.coef, p.keys, p.target_coef, g_total,
                              torch.empty(w.shape, dtype=dtypes[1], device=w.device))
-    if needs[0]:
-        grad_x = input_grad(p.e, w, p.coef, p.target, p.target_coef, g_total,
-                            torch.empty(x_c.shape, dtype=dtypes[0], device=x_c.device), x_c.shape[1])
     if p.check.missed():
         return None  # rows left the window: the caller recomputes through the standard path
     return grad_x, grad_w
