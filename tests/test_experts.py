@@ -491,6 +491,44 @@ def test_gpu_tiny_mixtral_bf16_matches_eager():
         assert flce_err <= 1.5 * eager_err + 1e-2, f"{name}: flce {flce_err:.3g} vs eager {eager_err:.3g}"
 
 
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_tiny_mixtral_matches_eager(dev, monkeypatch):
+    """torch.compile (aot_eager) of a Mixtral on flce's experts: the loss, aux loss and every gradient of the
+    compiled steps equal transformers' eager experts run eagerly, through the cached graphs and a recompile for
+    a new sequence length. (On the CPU the exact loop reads its offsets on the host: a graph break per layer.)"""
+    import copy
+
+    calls = []
+    fused = fx.experts_forward
+    monkeypatch.setattr(fx, "experts_forward", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    torch.manual_seed(0)
+    cfg = tiny_mixtral_config(output_router_logits=True)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(dev).train()
+    reference = copy.deepcopy(model)
+    reference.set_experts_implementation("eager")
+    model.set_experts_implementation("flce")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    try:
+        for seq in (11, 11, 14):
+            input_ids = torch.randint(0, cfg.vocab_size, (2, seq), device=dev)
+            steps = []
+            for m, call in ((reference, reference), (model, compiled)):
+                m.zero_grad(set_to_none=True)
+                out = call(input_ids=input_ids, labels=input_ids)
+                out.loss.backward()
+                steps.append((out.loss, out.aux_loss, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+            (loss_e, aux_e, grads_e), (loss_f, aux_f, grads_f) = steps
+            assert_close(loss_f, loss_e, 1e-6, "loss")
+            assert_close(aux_f, aux_e, 1e-6, "aux loss")
+            assert grads_f.keys() == grads_e.keys() and any("experts" in n for n in grads_f)
+            for name in grads_e:
+                assert_close(grads_f[name], grads_e[name], 1e-5, name)
+        assert len(calls) == 3 * cfg.num_hidden_layers  # flce's experts ran in every layer of every step
+    finally:
+        torch._dynamo.reset()
+
+
 def test_timing_rounds_interleave_candidates_and_drop_failures(monkeypatch):
     """Candidates are timed in alternating rounds (drift favours none) and a failing one is left out."""
     order = []
