@@ -25,7 +25,8 @@ Saved for backward: ``xs``, ``h`` and (only when the routing weights need a grad
 
 Each GEMM runs on the path measured fastest for its shape (flce's Triton grouped GEMMs, with or
 without TMA loads, torch's grouped_mm, or for large GEMMs outside capture one cuBLAS GEMM per expert;
-see ``flce.kernels.experts_dispatch``); set ``FLCE_EXPERTS_GEMM`` to force one.
+see ``flce.kernels.experts_dispatch``); set ``FLCE_EXPERTS_GEMM`` to force one. Under torch.compile each layer
+call is a graph break and runs eagerly, as flce's fused loss does.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from .import_hooks import when_imported
+from .import_hooks import compile_disabled, when_imported
 from .kernels.experts_dispatch import elementwise_ops, resolve_elementwise, rows_mm, wgrad_mm
 
 BACKEND_NAME = "flce"
@@ -109,6 +110,7 @@ class ExpertsFunction(torch.autograd.Function):
         return dx, d_gate_up, d_down, dw, None, None, None, None, None, None
 
 
+@compile_disabled  # under torch.compile the layer runs eagerly: dynamo cannot trace its autotuned Triton launches
 def experts_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
