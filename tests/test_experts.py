@@ -518,7 +518,8 @@ def test_compiled_tiny_mixtral_matches_eager(dev, monkeypatch):
                 m.zero_grad(set_to_none=True)
                 out = call(input_ids=input_ids, labels=input_ids)
                 out.loss.backward()
-                steps.append((out.loss, out.aux_loss, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+                grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+                steps.append((out.loss, out.aux_loss, grads))
             (loss_e, aux_e, grads_e), (loss_f, aux_f, grads_f) = steps
             assert_close(loss_f, loss_e, 1e-6, "loss")
             assert_close(aux_f, aux_e, 1e-6, "aux loss")

@@ -18,8 +18,8 @@ Where the plan finds room (``LowMemoryPlan.forward_cols``; a mean or sum), forwa
 grad_weight's storage itself: its chunks' logits go at its start (after the weight's cast copy under
 autocast), and the first k rows of grad_weight, summed over the chunks in float32, at its end (a trainable
 bias's first k entries in a (k,) sum beside it). Backward rounds that sum times grad_output into those rows
-and recomputes the logits of the other columns only (a quarter of a GEMM less at 8192 x 4096 x 128256). The peak stays the same: forward's
-buffer already took grad_weight's size.
+and recomputes the logits of the other columns only (a quarter of a GEMM less at 8192 x 4096 x 128256). The
+peak stays the same: forward's buffer already took grad_weight's size.
 """
 
 from __future__ import annotations
@@ -84,13 +84,13 @@ def block_logits_grad(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Ten
 
 def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, terms: RowTerms,
                        need_w: bool, need_b: bool, spec: LoopSpec, grad_w: torch.Tensor | None = None,
-                       first: int = 0, grad_b: torch.Tensor | None = None) -> tuple[torch.Tensor | None,
-                                                                                      torch.Tensor | None]:
-    """grad_weight (V, H) in the weight's dtype and grad_bias (V,) in the math dtype, block by block of vocabulary
-    columns (``spec.plan.blocks``) from column ``first`` (entries before it are written already, into the given
-    ``grad_w`` and ``grad_b``), each from all n rows at once. x: (n, H), weight: (V, H). A block's dlogits (and its weight
-    rows cast under autocast) go in grad_weight's rows that later blocks write, where the plan found room,
-    else in the budget's buffer."""
+                       first: int = 0, grad_b: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """grad_weight (V, H) in the weight's dtype and grad_bias (V,) in the math dtype, block by block of
+    vocabulary columns (``spec.plan.blocks``) from column ``first`` (entries before it are written already, into
+    the given ``grad_w`` and ``grad_b``), each from all n rows at once. x: (n, H), weight: (V, H). A block's
+    dlogits (and its weight rows cast under autocast) go in grad_weight's rows that later blocks write, where
+    the plan found room, else in the budget's buffer."""
     opts, plan, compute_dtype, backend = spec.opts, spec.plan, spec.compute_dtype, spec.backend
     n, hidden = x.shape
     vocab = weight.shape[0]
