@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import HostCopy
-from .gemm import mm_into
+from .gemm import first_cols, mm_into
 from .options import LossOptions
 
 # Fewest rows: below, the pass saved is short and the path's own launches weigh more (small batches).
@@ -189,8 +189,7 @@ def weight_grad(e: torch.Tensor, x_c: torch.Tensor, coef: torch.Tensor, keys: to
     ``bias_out`` (k,), the same of a column of ones added to it (grad_bias: a bias is a weight on 1)."""
     from .kernels.exp_rows_triton import row_scale, subtract_target_rows
 
-    k = out.shape[0]
-    e_k = e if k == e.shape[1] else e[:, :k]
+    e_k = first_cols(e, out.shape[0])
     xs = row_scale(x_c, coef, scale, torch.empty(x_c.shape, dtype=x_c.dtype, device=x_c.device))
     mm_into(out, e_k.t(), xs, accumulate=accumulate)
     del xs

@@ -39,7 +39,7 @@ import torch
 
 from . import exp_logits, loss_only
 from .exp_logits import PendingExp
-from .gemm import column_sums_into, mm_into, mm_new
+from .gemm import column_sums_into, first_cols, mm_into, mm_new
 from .kernels import ce_chunk, math_dtype
 from .kernels.scale import scale_into
 from .options import LossOptions
@@ -114,14 +114,9 @@ def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool)
     if grads.input is not None:
         mm_into(_take(grads.input, rows), dl, w, accumulate=False)
     if grads.weight is not None:
-        mm_into(grads.weight, _first_cols(dl, grads.weight.shape[0]).t(), x_c, accumulate=accumulate)
+        mm_into(grads.weight, first_cols(dl, grads.weight.shape[0]).t(), x_c, accumulate=accumulate)
     if grads.bias is not None:
-        column_sums_into(grads.bias, _first_cols(dl, grads.bias.shape[0]), accumulate=True)
-
-
-def _first_cols(t: torch.Tensor, k: int) -> torch.Tensor:
-    """t[:, :k], without a dispatcher call when that is all of t."""
-    return t if k == t.shape[1] else t[:, :k]
+        column_sums_into(grads.bias, first_cols(dl, grads.bias.shape[0]), accumulate=True)
 
 
 def chunk_loop(

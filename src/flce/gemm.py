@@ -57,6 +57,11 @@ def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return out
 
 
+def first_cols(t: torch.Tensor, k: int) -> torch.Tensor:
+    """t[:, :k] (a GEMM operand's first k columns), without a dispatcher call when that is all of t."""
+    return t if k == t.shape[1] else t[:, :k]
+
+
 # Rows from which a GPU sums columns as a GEMV (``column_sums_into``).
 GEMV_MIN_ROWS = 1024
 
