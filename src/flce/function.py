@@ -7,9 +7,10 @@ grad_output. On Hopper the logits GEMM is flce's own (``kernels.logits_triton``)
 the CE kernel each row's softmax statistics, so the CE kernel reads the logits once.
 
 Two exceptions. With a single chunk (small batches) the two gradient GEMMs wait for backward, where
-grad_output scales the small operand x_c instead of a whole (V, H) gradient afterwards; for a plain
-mean the CE kernel then also counts the targets and finishes the mean itself (``LoopSpec.counts``). With
-reduction="none" the per-row grad_output is only known in backward, so there the loop runs again.
+grad_output is applied where each gradient is rounded once: to the small operand x_c for grad_weight, to
+grad_input's float32 product; for a plain mean the CE kernel then also counts the targets and finishes
+the mean itself (``LoopSpec.counts``), leaving the mean's scale to backward too. With reduction="none"
+the per-row grad_output is only known in backward, so there the loop runs again.
 A single chunk on Hopper in bf16 (1024 rows or more, the common options) goes further: its logits GEMM
 stores exp(logits), a row kernel takes the loss and row coefficients from the GEMM's statistics, and
 backward's GEMMs run on the exponentials with the rows scaled: no CE pass at all (``exp_logits.py``).
@@ -252,34 +253,27 @@ def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-# Up to this many bytes of dlogits, grad_output scales dlogits in place: one launch instead of two
-# (small batches are launch-bound). Above it, scaling the smaller x_c and grad_input moves fewer bytes
-# (torch's bf16-by-float32 multiply took 30 us for the 16 MB of dlogits at 64 x 128256 on an H200).
-FOLD_INTO_DLOGITS_BYTES = 4 << 20
-
-
 def finish_pending(p: PendingGrads, x_c: torch.Tensor, w: torch.Tensor, g: torch.Tensor, needs, dtypes,
                    backend) -> ChunkGrads:
-    """Backward of a single-chunk forward: the two GEMMs, with grad_output folded into an operand.
-    x_c (n, H), w (V, H): the forward's GEMM operands, from ``ctx.saved_tensors``."""
+    """Backward of a single-chunk forward: the two GEMMs, with grad_output g (times the mean's scale where
+    the CE kernel left it out) applied where each gradient is rounded once: to the small operand x_c for
+    grad_weight (at a large vocabulary one row dominates each target's gradient row: rounding it there is
+    that row's one rounding), to grad_input's float32 product, to grad_bias's float32 sums. Scaling a
+    rounded gradient, or the rounded dlogits, would round twice. x_c (n, H), w (V, H): the forward's GEMM
+    operands, from ``ctx.saved_tensors``."""
     x_dtype, w_dtype, b_dtype = dtypes
+    dl = p.dlogits
     if p.scale is not None:
         g = g * p.scale
-    dl, x, g_left = p.dlogits, x_c, g
-    if dl.numel() * dl.element_size() <= FOLD_INTO_DLOGITS_BYTES:
-        dl, g_left = dl.mul_(g), None
-    elif needs[1]:
-        x = scale_into(x_c, g, x_c.dtype, backend, out=torch.empty_like(x_c))
+    acc = math_dtype(dl.dtype)
     grads = ChunkGrads(None, None, None)
     if needs[0]:
-        grads.input = mm_new(dl, w, x_dtype)
-        if g_left is not None:
-            scale_into(grads.input, g_left, x_dtype, backend)
+        grads.input = scale_into(mm_new(dl, w, acc), g, x_dtype, backend)
     if needs[1]:
-        grads.weight = mm_new(dl.t(), x, w_dtype)
+        grads.weight = mm_new(dl.t(), scale_into(x_c, g, x_c.dtype, backend, out=torch.empty_like(x_c)), w_dtype)
     if needs[2]:
-        b = column_sums_into(torch.empty(dl.shape[1], dtype=g.dtype, device=dl.device), dl, accumulate=False)
-        grads.bias = (b if g_left is None else b * g_left).to(b_dtype)
+        b = column_sums_into(torch.empty(dl.shape[1], dtype=acc, device=dl.device), dl, accumulate=False)
+        grads.bias = scale_into(b, g, b_dtype, backend)
     return grads
 
 
