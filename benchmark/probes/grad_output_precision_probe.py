@@ -15,13 +15,17 @@ import flce
 from flce import exp_logits
 
 H, V = 4096, 128256
-# (label, rows, linear_cross_entropy keywords, whether the exp-logits path may run)
+# (label, rows, linear_cross_entropy keywords, whether the exp-logits path may run); "num_items": pass the
+# count of valid rows as num_items_in_batch (the same mean, as the transformers Trainer passes it)
 CASES = [
+    ("16 rows (one chunk)", 16, {}, True),
     ("256 rows (one chunk)", 256, {}, True),
     ("1000 rows (one chunk)", 1000, {}, True),
     ("8192 rows (one chunk, exp-logits)", 8192, {}, True),
     ("8192 rows (one chunk, standard path)", 8192, {}, False),
     ("8192 rows (4 chunks)", 8192, {"chunk_size": 2048}, True),
+    ("1000 rows (one chunk), num_items_in_batch", 1000, {"num_items": True}, True),
+    ("8192 rows (4 chunks), num_items_in_batch", 8192, {"chunk_size": 2048, "num_items": True}, True),
 ]
 
 
@@ -57,6 +61,9 @@ def main() -> None:
         t = torch.randint(0, V, (n,), device="cuda", generator=gen)
         t[torch.rand(n, device="cuda", generator=gen) < 0.1] = -100
         exact = reference(x, w, t)
+        kw = dict(kw)
+        if kw.pop("num_items", False):
+            kw["num_items_in_batch"] = int((t != -100).sum())
         exp_logits.MIN_ROWS = min_rows if exp_path else 1 << 40
         for g in (1.0, 1 / 3):
             leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]

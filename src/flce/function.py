@@ -7,10 +7,11 @@ grad_output. On Hopper the logits GEMM is flce's own (``kernels.logits_triton``)
 the CE kernel each row's softmax statistics, so the CE kernel reads the logits once.
 
 Two exceptions. With a single chunk (small batches) the two gradient GEMMs wait for backward, where
-grad_output is applied where each gradient is rounded once: to the small operand x_c for grad_weight, to
-grad_input's float32 product; for a plain mean the CE kernel then also counts the targets and finishes
-the mean itself (``LoopSpec.counts``), leaving the mean's scale to backward too. With reduction="none"
-the per-row grad_output is only known in backward, so there the loop runs again.
+grad_output and the reduction's scale are applied where each gradient is rounded once: to the small
+operand x_c for grad_weight, to grad_input's float32 product (dlogits stay unscaled); for a plain mean the
+CE kernel also counts the targets and finishes the mean itself (``LoopSpec.counts``). With several
+chunks dlogits take only the scale's power of two, the rest joins float32 (``split_scale``). With
+reduction="none" the per-row grad_output is only known in backward, so there the loop runs again.
 A single chunk on Hopper in bf16 (1024 rows or more, the common options) goes further: its logits GEMM
 stores exp(logits), a row kernel takes the loss and row coefficients from the GEMM's statistics, and
 backward's GEMMs run on the exponentials with the rows scaled: no CE pass at all (``exp_logits.py``).
@@ -57,6 +58,9 @@ class ChunkGrads:
     # Chunks that took the exp-logits path (``plan.input_product_cols``): if its check misses in backward,
     # grad_input must be recomputed with the path off (the low-memory Function does).
     window: exp_logits.WindowCheck | None = None
+    # The mean's scale less its power of two (``split_scale``): in grad_input already, not yet in weight
+    # and bias, whose float32 sums take it with grad_output in backward (``scale_grads``).
+    scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -77,7 +81,7 @@ class PendingGrads:
     dlogits: torch.Tensor
     x: torch.Tensor | None  # (n, H) in the compute dtype
     w: torch.Tensor | None  # (V, H) in the compute dtype
-    scale: torch.Tensor | None = None  # the mean's 0-d scale, not yet in dlogits (see LoopSpec.counts)
+    scale: torch.Tensor | None = None  # the reduction's 0-d scale, not in dlogits: backward applies it
 
 
 class LoopSpec(NamedTuple):
@@ -109,11 +113,20 @@ class LoopMemory(NamedTuple):
     bias_sum: torch.Tensor | None = None
 
 
-def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool) -> None:
-    """grad_input[rows] = dl @ w; grad_weight (+)= dl^T @ x_c; grad_bias += dl summed over rows (of the
-    gradients' first rows only, where they have fewer than V: ``LoopMemory``)."""
+def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool, backend: str = "torch") -> None:
+    """grad_input[rows] = dl @ w (times ``grads.scale``, if any, before its one rounding); grad_weight (+)=
+    dl^T @ x_c; grad_bias += dl summed over rows (of the gradients' first rows only, where they have fewer
+    than V: ``LoopMemory``)."""
     if grads.input is not None:
-        mm_into(_take(grads.input, rows), dl, w, accumulate=False)
+        out = _take(grads.input, rows)
+        if grads.scale is None:
+            mm_into(out, dl, w, accumulate=False)
+        else:  # a float32 product takes the scale before its one rounding
+            wide = math_dtype(dl.dtype)
+            product = out if out.dtype == wide else mm_new(dl, w, wide)
+            if product is out:
+                mm_into(out, dl, w, accumulate=False)
+            scale_into(product, grads.scale, out.dtype, backend, out=out)
     if grads.weight is not None:
         mm_into(grads.weight, first_cols(dl, grads.weight.shape[0]).t(), x_c, accumulate=accumulate)
     if grads.bias is not None:
@@ -188,6 +201,12 @@ def chunk_loop(
     # may store exp(logits) where the plan budgets the product.
     exp_input = plan.input_product_cols > 0 and (need_x or need_w) and (
         memory is not None or not (need_w or need_b))
+    ce_scale = grad_scale
+    if defer and counts is None:  # unscaled dlogits: backward applies the scale with grad_output
+        ce_scale = torch.ones((), dtype=acc, device=dev)
+    elif grads is not None and not row_scale and not exp_input and memory is None and _splits_scale(
+            compute_dtype, grads):
+        ce_scale, grads.scale = split_scale(grad_scale)
     misses = None
     for i, (start, end) in enumerate(plan.bounds()):
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
@@ -211,13 +230,33 @@ def chunk_loop(
         logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend)
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
                  _take(parts.correct, rows), class_weight, weight_sum,
-                 _take(grad_scale, rows) if row_scale else grad_scale, opts, counts, parts.total, tile_stats)
+                 _take(grad_scale, rows) if row_scale else ce_scale, opts, counts, parts.total, tile_stats)
         if defer:
-            return parts, PendingGrads(dlogits=logits, x=x_c, w=w, scale=None if counts is None else grad_scale)
-        gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0)
+            return parts, PendingGrads(dlogits=logits, x=x_c, w=w, scale=grad_scale)
+        gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0, backend=backend)
     if misses is not None:
         grads.window = exp_logits.WindowCheck(misses)
     return parts, grads
+
+
+def _splits_scale(compute_dtype: torch.dtype, grads: ChunkGrads) -> bool:
+    """Whether 16-bit dlogits take only the mean's power of two: where every gradient they feed is
+    rounded from float32 (grad_input's product, a float32 weight sum, the bias sums)."""
+    wanted = grads.input is not None or grads.weight is not None or grads.bias is not None
+    return wanted and compute_dtype.itemsize == 2 and (grads.weight is None or grads.weight.dtype.itemsize > 2)
+
+
+def split_scale(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-d ``scale`` = power * residual, power a power of two, residual in [1/2, 1) (1 for a zero scale).
+
+    Chunks round their dlogits before grad_output is known. Scaled there by a mean's 1 / count, every
+    target entry (-scale, for the likely rows) would carry the same rounding of that scale: 2.2-2.4x the
+    bf16 rounding in both gradients at counts that round badly (benchmark/NOTES.md). A power of two scales
+    exactly (and, at most 2x the scale, keeps fp16 dlogits as far from underflow); the residual joins the
+    float32 products and sums instead."""
+    mantissa, _ = torch.frexp(scale)
+    residual = torch.where(mantissa == 0, 1.0, mantissa)
+    return scale / residual, residual  # exact: the quotient is a power of two
 
 
 def chunk_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,
@@ -368,9 +407,11 @@ class _FirstOrderOnly(torch.autograd.Function):
 
 
 def scale_grads(grads: ChunkGrads, g: torch.Tensor | None, dtypes, backend: str = "torch") -> list:
-    """(input, weight, bias) gradients times grad_output ``g`` (None: already scaled), in ``dtypes``."""
-    return [None if t is None else (_as_dtype(t, dt) if g is None else scale_into(t, g, dt, backend))
-            for t, dt in zip((grads.input, grads.weight, grads.bias), dtypes)]
+    """(input, weight, bias) gradients times grad_output ``g`` (None: already scaled), in ``dtypes``; weight
+    and bias also times ``grads.scale`` (already in grad_input)."""
+    g_sums = g if g is None or grads.scale is None else g * grads.scale
+    return [None if t is None else (_as_dtype(t, dt) if s is None else scale_into(t, s, dt, backend))
+            for t, dt, s in zip((grads.input, grads.weight, grads.bias), dtypes, (g, g_sums, g_sums))]
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -408,14 +449,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def _redo_standard(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, spec: LoopSpec) -> PendingGrads:
-    """The single chunk's dlogits as the standard path makes them (rows left the exp-logits window), the
-    reduction's scale folded in; forward's loss and lse stand."""
+    """The single chunk's dlogits as the standard path makes them (rows left the exp-logits window),
+    unscaled (``finish_pending`` applies the reduction's scale); forward's loss and lse stand."""
     bias, class_weight, weight_sum = p.redo
     logits, tile_stats = chunk_logits(x_c, w, bias, p.e, spec.opts, spec.backend)
     rows = torch.empty(2, x_c.shape[0], dtype=torch.float32, device=x_c.device)  # loss and lse, not used
-    ce_chunk(spec.backend, logits, p.target, rows[0], rows[1], None, class_weight, weight_sum, p.scale, spec.opts,
+    unscaled = torch.ones((), dtype=torch.float32, device=x_c.device)
+    ce_chunk(spec.backend, logits, p.target, rows[0], rows[1], None, class_weight, weight_sum, unscaled, spec.opts,
              tile_stats=tile_stats)
-    return PendingGrads(dlogits=logits, x=None, w=None)
+    return PendingGrads(dlogits=logits, x=None, w=None, scale=p.scale)
 
 
 def _input_grads(ctx, loop, spec: LoopSpec, needs, dtypes, g: torch.Tensor) -> list:

@@ -22,7 +22,9 @@ def scale_into(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, backe
     if out is None:
         out = src if src.dtype == dtype else torch.empty(src.shape, dtype=dtype, device=src.device)
     if backend != "triton" or src.numel() < TORCH_BELOW or not (src.is_contiguous() and out.is_contiguous()):
-        return torch.mul(src, scale, out=out)
+        # On CUDA a 16-bit tensor times a 0-d float32 one computes in the 16-bit dtype: the scale would be
+        # rounded first, the same error on every element (2x the bf16 rounding of a gradient at 1 / 172).
+        return torch.mul(src if src.dtype.itemsize >= scale.dtype.itemsize else src.to(scale.dtype), scale, out=out)
     from .scale_triton import scale_into_triton
 
     scale_into_triton(src, scale, out)
