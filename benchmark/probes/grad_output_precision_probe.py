@@ -4,9 +4,11 @@ each path of the fused loss, beside eager PyTorch (bf16 logits materialized, ``.
 Prints each gradient's relative error as a multiple of eager's and of the bf16 rounding of the exact
 gradient. GPU only; run it once per tree to compare two:
 
-    PYTHONPATH=src python benchmark/probes/grad_output_precision_probe.py
+    PYTHONPATH=src python benchmark/probes/grad_output_precision_probe.py [label part, e.g. low_memory]
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,8 @@ CASES = [
     ("8192 rows (4 chunks)", 8192, {"chunk_size": 2048}, True),
     ("1000 rows (one chunk), num_items_in_batch", 1000, {"num_items": True}, True),
     ("8192 rows (4 chunks), num_items_in_batch", 8192, {"chunk_size": 2048, "num_items": True}, True),
+    ("8192 rows, low_memory=True", 8192, {"low_memory": True}, True),
+    ("8192 rows, low_memory=True, num_items_in_batch", 8192, {"low_memory": True, "num_items": True}, True),
 ]
 
 
@@ -50,12 +54,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
+    only = sys.argv[1] if len(sys.argv) > 1 else ""  # run only the cases whose label contains this
     print(torch.cuda.get_device_name(), "flce from", flce.__file__)
     print("| case | grad_output | grad_input: x eager / x rounding | grad_weight: x eager / x rounding |")
     print("|---|---|---|---|")
     gen = torch.Generator(device="cuda").manual_seed(0)
     min_rows = exp_logits.MIN_ROWS
     for label, n, kw, exp_path in CASES:
+        if only not in label:
+            continue
         x = torch.randn(n, H, device="cuda", generator=gen).to(torch.bfloat16)
         w = (torch.randn(V, H, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
         t = torch.randint(0, V, (n,), device="cuda", generator=gen)
