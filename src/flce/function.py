@@ -118,15 +118,10 @@ def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool,
     dl^T @ x_c; grad_bias += dl summed over rows (of the gradients' first rows only, where they have fewer
     than V: ``LoopMemory``)."""
     if grads.input is not None:
-        out = _take(grads.input, rows)
         if grads.scale is None:
-            mm_into(out, dl, w, accumulate=False)
-        else:  # a float32 product takes the scale before its one rounding
-            wide = math_dtype(dl.dtype)
-            product = out if out.dtype == wide else mm_new(dl, w, wide)
-            if product is out:
-                mm_into(out, dl, w, accumulate=False)
-            scale_into(product, grads.scale, out.dtype, backend, out=out)
+            mm_into(_take(grads.input, rows), dl, w, accumulate=False)
+        else:
+            _scaled_product_into(_take(grads.input, rows), dl, w, grads.scale, backend)
     if grads.weight is not None:
         mm_into(grads.weight, first_cols(dl, grads.weight.shape[0]).t(), x_c, accumulate=accumulate)
     if grads.bias is not None:
@@ -237,6 +232,15 @@ def chunk_loop(
     if misses is not None:
         grads.window = exp_logits.WindowCheck(misses)
     return parts, grads
+
+
+def _scaled_product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+                         backend: str) -> None:
+    """out = (a @ b) * scale (0-d), from a float32 product rounded once into out's dtype."""
+    wide = math_dtype(a.dtype)
+    product = out if out.dtype == wide else torch.empty(out.shape, dtype=wide, device=out.device)
+    mm_into(product, a, b, accumulate=False)
+    scale_into(product, scale, out.dtype, backend, out=out)
 
 
 def _splits_scale(compute_dtype: torch.dtype, grads: ChunkGrads) -> bool:
