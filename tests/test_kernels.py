@@ -116,6 +116,34 @@ def test_scale_into_rounds_16_bit_products_once(backend, device, torch_below, mo
         assert abs(bias) < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_subtract_target_rows_backends_match_float64(backend, device, dtype):
+    """A weight gradient's one-hot rows: grad[v] -= scale * sum of coef[r] * x[r] over the rows whose key is v
+    (repeated keys, keys past the end for rows without the term), one float32 sum and one rounding per row."""
+    from flce.kernels.target_rows_torch import subtract_target_rows_torch
+
+    vocab, hidden, n = 37, 9, 50
+    grad = torch.randn(vocab, hidden, device=device).to(dtype)
+    x = torch.randn(n, hidden, device=device).to(dtype)
+    keys = torch.randint(0, vocab + 5, (n,), device=device, dtype=torch.int32)  # >= vocab: no term
+    coef, scale = torch.rand(n, device=device) + 0.5, torch.tensor(0.37, device=device)
+    want = grad.double().index_add(0, keys[keys < vocab].long(),
+                                   -0.37 * (coef.double()[:, None] * x.double())[keys < vocab])
+    got = grad.clone()
+    if backend == "triton":
+        from flce.kernels.exp_rows_triton import subtract_target_rows
+
+        subtract_target_rows(got, x, keys, coef, scale)
+    else:
+        subtract_target_rows_torch(got, x, keys, coef, scale)
+    # Within one step of the dtype (the interpreter's 16-bit cast truncates where CUDA rounds).
+    step = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    assert torch.allclose(got.double(), want, rtol=step, atol=1e-6 * want.abs().max().item())
+    untouched = torch.ones(vocab, dtype=torch.bool, device=device)
+    untouched[keys[keys < vocab].long()] = False
+    assert torch.equal(got[untouched], grad[untouched])
+
+
 @pytest.mark.parametrize("n", [1, 9, 150])  # 150: more rows than programs, so programs take several
 @pytest.mark.parametrize("opts", [LossOptions(), LossOptions(label_smoothing=0.1, z_loss=1e-2, softcap=3.0)])
 def test_kernel_finishes_the_mean(backend, device, n, opts):

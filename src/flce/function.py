@@ -195,12 +195,11 @@ def chunk_loop(
     # Chunks that compute grad_input alone (and a share of grad_weight and grad_bias in the caller's memory)
     # may store exp(logits) where the plan budgets the product.
     exp_input = plan.input_product_cols > 0 and (need_x or need_w) and (
-        memory is not None or not (need_w or need_b))
+        memory is not None or not (need_w or need_b)) and _hopper_gemms(backend, dev)
     ce_scale = grad_scale
     if defer and counts is None:  # unscaled dlogits: backward applies the scale with grad_output
         ce_scale = torch.ones((), dtype=acc, device=dev)
-    elif grads is not None and not row_scale and not exp_input and memory is None and _splits_scale(
-            compute_dtype, grads):
+    elif grads is not None and not row_scale and not exp_input and _splits_scale(compute_dtype, grads):
         ce_scale, grads.scale = split_scale(grad_scale)
     misses = None
     for i, (start, end) in enumerate(plan.bounds()):
@@ -232,6 +231,15 @@ def chunk_loop(
     if misses is not None:
         grads.window = exp_logits.WindowCheck(misses)
     return parts, grads
+
+
+def _hopper_gemms(backend: str, device: torch.device) -> bool:
+    """Whether flce's Hopper GEMMs (and so the exp-logits path) can run on this device at all."""
+    if backend != "triton":
+        return False
+    from .kernels import logits_triton
+
+    return logits_triton.hopper(device)
 
 
 def _scaled_product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,

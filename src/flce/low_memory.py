@@ -31,6 +31,7 @@ from .gemm import column_sums_into, mm_into
 from .kernels import math_dtype
 from .kernels.ce_block_torch import RowTerms, ce_block_torch
 from .kernels.scale import scale_into
+from .kernels.target_rows_torch import subtract_target_rows_torch
 from .low_memory_plan import LowMemoryPlan, plan_low_memory
 from .options import LossOptions
 
@@ -82,15 +83,46 @@ def block_logits_grad(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Ten
         ce_block_torch(out, col_start, vocab, terms, opts)
 
 
+def target_rows_apart(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, terms: RowTerms,
+                      opts: LossOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which rows' one-hot term stays out of the blocks' 16-bit dz: (target_col (n,) int32, the target where
+    dz keeps it and -1 where not; coef (n,) float32, that term's coefficient where not, else 0).
+
+    In dz, -scale * target_coef at every likely target carries the same rounding of the scale (1 / count
+    times grad_output): up to 1.7x the bf16 rounding of grad_weight where it rounds badly. Kept apart, it is
+    subtracted from the block's rows of grad_weight in float32 (``subtract_target_rows``). A confident target
+    (p_y >= 1/2) keeps it in dz, where p_y - 1 is exact and nothing cancels. p_y from a 16-bit dot of x_r with
+    W[y_r] (in row pieces within the mode's budget): only the choice depends on it. No softcap (its slope at the
+    target would be needed). x: (n, H) in the compute dtype; weight (V, H); bias (V,) or None."""
+    target, lse, class_weight, _, grad_scale = terms[:5]
+    n, hidden = x.shape
+    valid = (target != opts.ignore_index) & (target >= 0) & (target < weight.shape[0])
+    y = torch.where(valid, target, 0)
+    z_y = torch.empty(n, dtype=torch.float32, device=x.device)  # written piece by piece
+    piece = max(1, (1 << 22) // max(hidden, 1))  # 8 MiB of gathered bf16 rows at a time
+    for start in range(0, n, piece):
+        rows = slice(start, start + piece)
+        z_y[rows] = torch.linalg.vecdot(x[rows], _as_dtype(weight[y[rows]], x.dtype))
+    if bias is not None:
+        z_y += bias[y].float()
+    confident = (z_y / opts.temperature - lse.float()) >= -0.6931471805599453  # p_y >= 1/2
+    keep = confident | ~valid
+    target_col = torch.where(keep, target, -1).to(torch.int32)
+    w_y = class_weight[y].float() if class_weight is not None else 1.0
+    coef = torch.where(keep, 0.0, (1.0 - opts.label_smoothing) * w_y * grad_scale.float() / opts.temperature)
+    return target_col, coef
+
+
 def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, terms: RowTerms,
                        need_w: bool, need_b: bool, spec: LoopSpec, grad_w: torch.Tensor | None = None,
-                       first: int = 0, grad_b: torch.Tensor | None = None
+                       first: int = 0, grad_b: torch.Tensor | None = None, coef: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """grad_weight (V, H) in the weight's dtype and grad_bias (V,) in the math dtype, block by block of
     vocabulary columns (``spec.plan.blocks``) from column ``first`` (entries before it are written already, into
     the given ``grad_w`` and ``grad_b``), each from all n rows at once. x: (n, H), weight: (V, H). A block's
     dlogits (and its weight rows cast under autocast) go in grad_weight's rows that later blocks write, where
-    the plan found room, else in the budget's buffer."""
+    the plan found room, else in the budget's buffer. With ``terms.target_col``, the one-hot terms that dz
+    leaves out (coefficients ``coef``, ``target_rows_apart``) are subtracted after each block's GEMM."""
     opts, plan, compute_dtype, backend = spec.opts, spec.plan, spec.compute_dtype, spec.backend
     n, hidden = x.shape
     vocab = weight.shape[0]
@@ -121,7 +153,25 @@ def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             mm_into(grad_w[start:end], dz.t(), x_c, accumulate=False)
         if grad_b is not None:
             column_sums_into(grad_b[start:end], dz, accumulate=False)
+        if terms.target_col is not None:
+            keys = torch.where((terms.target_col < 0) & (terms.target >= start) & (terms.target < end),
+                               terms.target - start, cols).to(torch.int32)
+            if grad_w is not None:
+                _subtract_target_rows(grad_w[start:end], x_c, keys, coef, backend)
+            if grad_b is not None:
+                _subtract_target_rows(grad_b[start:end, None], x_c.new_ones(n, 1), keys, coef, backend)
     return grad_w, grad_b
+
+
+def _subtract_target_rows(grad: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, coef: torch.Tensor,
+                          backend: str) -> None:
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    if backend == "triton":
+        from .kernels.exp_rows_triton import subtract_target_rows
+
+        subtract_target_rows(grad, x, keys, coef, one)
+    else:
+        subtract_target_rows_torch(grad, x, keys, coef, one)
 
 
 def _borrow(storage: torch.Tensor, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -158,7 +208,7 @@ class LowMemoryFunction(torch.autograd.Function):
                             (needs[0], share, share and needs[2]), spec, memory=memory[1] if memory else None)
         ctx.grad_input, ctx.window = grads.input, grads.window
         # grad_weight's storage, the share's sums
-        ctx.share = (memory[0], grads.weight, grads.bias) if memory else None
+        ctx.share = (memory[0], grads.weight, grads.bias, grads.scale) if memory else None
         ctx.consumed = False
         ctx.meta = (loop, spec, needs, (x.dtype, weight.dtype, bias.dtype if bias is not None else None))
         ctx.target_check = target_check
@@ -180,7 +230,7 @@ class LowMemoryFunction(torch.autograd.Function):
         loop, spec, needs, dtypes = ctx.meta
         x, weight, bias, target, class_weight, weight_sum, grad_scale, lse = ctx.saved_tensors
         grad_x, ctx.grad_input = ctx.grad_input, None
-        (grad_w, share_sum, bias_share), ctx.share = ctx.share or (None, None, None), None
+        (grad_w, share_sum, bias_share, share_scale), ctx.share = ctx.share or (None,) * 4, None
         g = _as_dtype(grad_loss, math_dtype(spec.compute_dtype))  # float64 stays float64
         if grad_scale is None:  # reduction='none': grad_output per row
             g = g.reshape(-1).contiguous()
@@ -192,11 +242,12 @@ class LowMemoryFunction(torch.autograd.Function):
         first, grad_b = 0, None
         if share_sum is not None:  # forward's share: its float32 sums times grad_output, rounded once
             first = share_sum.shape[0]
-            scale_into(share_sum, g, dtypes[1], spec.backend, out=grad_w[:first])
+            g_share = g if share_scale is None else g * share_scale  # the scale's part not in forward's dz
+            scale_into(share_sum, g_share, dtypes[1], spec.backend, out=grad_w[:first])
             share_sum = None  # the first blocks borrow its bytes (queued after this read)
             if bias_share is not None:
                 grad_b = torch.empty(weight.shape[0], dtype=bias_share.dtype, device=x.device)
-                torch.mul(bias_share, g, out=grad_b[:first])
+                torch.mul(bias_share, g_share, out=grad_b[:first])
         # After the exp-logits forward (a window check exists) the lse is that of the unrounded logits.
         grad_w, grad_b = _weight_grads(x, weight, bias, target, class_weight, weight_sum, lse, block_scale, needs, spec,
                                        exact_lse=ctx.window is not None, grad_w=grad_w, first=first, grad_b=grad_b)
@@ -224,7 +275,11 @@ def _weight_grads(x, weight, bias, target, class_weight, weight_sum, lse, block_
     if not (needs[1] or needs[2]):
         return None, None
     terms = RowTerms(target, lse, class_weight, weight_sum, block_scale, exact_lse)
-    return weight_grad_blocks(x, weight, bias, terms, needs[1], needs[2], spec, grad_w, first, grad_b)
+    coef = None
+    if spec.compute_dtype.itemsize == 2 and spec.opts.softcap is None and x.shape[0]:
+        target_col, coef = target_rows_apart(_as_dtype(x, spec.compute_dtype), weight, bias, terms, spec.opts)
+        terms = terms._replace(target_col=target_col)
+    return weight_grad_blocks(x, weight, bias, terms, needs[1], needs[2], spec, grad_w, first, grad_b, coef)
 
 
 def _forward_memory(spec: LoopSpec, weight: torch.Tensor, bias_grad: bool) -> tuple[torch.Tensor, LoopMemory] | None:

@@ -18,7 +18,7 @@ import triton.language as tl
 from ..options import LossOptions
 from . import logits_triton
 from .ce_block_torch import RowTerms
-from .ce_block_triton import _block_grad, _block_row_terms, row_arguments
+from .ce_block_triton import _block_grad, _block_row_terms, _one_hot_cols, row_arguments
 from .ce_triton import _sm_count
 from .logits_triton import TileConfig, _tile_coords, tile_logits
 
@@ -27,11 +27,12 @@ TILE = TileConfig()  # logits_triton's tile; tests shrink it for the interpreter
 
 @triton.jit
 def _block_grad_gemm_kernel(x_desc, w_desc, out_desc, bias_ptr, target_ptr, lse_ptr, scale_ptr, class_weight_ptr,
-                            weight_sum_ptr, M, N, K, col_start, V, ignore_index, smoothing, z_loss, softcap, inv_temp,
-                            HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                            HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
-                            ROUND_LOGITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                            GROUP: tl.constexpr, PROGRAMS: tl.constexpr):
+                            weight_sum_ptr, target_col_ptr, M, N, K, col_start, V, ignore_index, smoothing, z_loss,
+                            softcap, inv_temp, HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                            HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                            SCALE_PER_ROW: tl.constexpr, HAS_TARGET_COL: tl.constexpr, ROUND_LOGITS: tl.constexpr,
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                            PROGRAMS: tl.constexpr):
     grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), grid_m * grid_n, PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP)
@@ -41,6 +42,7 @@ def _block_grad_gemm_kernel(x_desc, w_desc, out_desc, bias_ptr, target_ptr, lse_
         y, lse, target_coef, extra, scale, valid = _block_row_terms(
             rows, rows < M, target_ptr, lse_ptr, scale_ptr, class_weight_ptr, weight_sum_ptr, V, ignore_index,
             smoothing, z_loss, inv_temp, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, SCALE_PER_ROW)
+        y = _one_hot_cols(y, rows, rows < M, target_col_ptr, HAS_TARGET_COL)
         acc, cols = tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS, BM, BN, BK)
         if ROUND_LOGITS:  # the logits as forward stored them, so that their softmax matches the saved lse
             acc = acc.to(out_desc.dtype).to(tl.float32)

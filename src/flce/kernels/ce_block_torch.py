@@ -21,7 +21,8 @@ class RowTerms(NamedTuple):
     class_weight or None. grad_scale: 0-d or (n,) float32, the reduction's scale times grad_output.
     exact_lse: the lse is that of the unrounded logits (the exp-logits forward), so a kernel that
     recomputes the logits in float32 uses them unrounded; else it rounds them to the dtype the logits
-    were stored in, as the lse saw them.
+    were stored in, as the lse saw them. target_col: None, or (n,) int32: the column whose one-hot term
+    the kernel subtracts, the target or -1 where the caller subtracts it (``low_memory.target_rows_apart``).
     """
 
     target: torch.Tensor
@@ -30,6 +31,7 @@ class RowTerms(NamedTuple):
     weight_sum: torch.Tensor | None
     grad_scale: torch.Tensor
     exact_lse: bool = False
+    target_col: torch.Tensor | None = None
 
 
 def ce_block_torch(logits: torch.Tensor, col_start: int, vocab: int, terms: RowTerms, opts: LossOptions) -> None:
@@ -59,8 +61,9 @@ def ce_block_torch(logits: torch.Tensor, col_start: int, vocab: int, terms: RowT
     extra = eps / vocab * w_sum + 2.0 * opts.z_loss * row_lse
     p = torch.exp(z - row_lse[:, None])
     g = (target_coef + extra)[:, None] * p
-    local = y - col_start  # the target's column in this block, if it is here
-    here = (local >= 0) & (local < cols)
+    col = y if terms.target_col is None else terms.target_col.long()
+    local = col - col_start  # the one-hot term's column in this block, if it is here (-1: none)
+    here = (col >= 0) & (local >= 0) & (local < cols)
     at = local.clamp(0, cols - 1)[:, None]
     p_y = p.gather(1, at)[:, 0]
     # As the CE kernel: target_coef * (p_y - 1) + extra * p_y, with p_y - 1 formed before any product.

@@ -51,6 +51,14 @@ def _block_row_terms(rows, row_mask, target_ptr, lse_ptr, scale_ptr, class_weigh
 
 
 @triton.jit
+def _one_hot_cols(y, rows, row_mask, target_col_ptr, HAS_TARGET_COL: tl.constexpr):
+    """The column whose one-hot term dz takes per row: the target, or ``target_col`` (-1: none)."""
+    if HAS_TARGET_COL:
+        return tl.load(target_col_ptr + rows, mask=row_mask, other=-1).to(tl.int32)
+    return y
+
+
+@triton.jit
 def _block_grad(raw, cols, col_mask, y, lse, target_coef, extra, scale, valid, class_weight_ptr, V, smoothing, softcap,
                 inv_temp, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr):
@@ -65,9 +73,9 @@ def _block_grad(raw, cols, col_mask, y, lse, target_coef, extra, scale, valid, c
 
 @triton.jit
 def _ce_block_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, scale_ptr, class_weight_ptr, weight_sum_ptr,
-                     n_rows, n_cols, col_start, V, ignore_index, smoothing, z_loss, softcap, inv_temp,
+                     target_col_ptr, n_rows, n_cols, col_start, V, ignore_index, smoothing, z_loss, softcap, inv_temp,
                      HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-                     HAS_SOFTCAP: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
+                     HAS_SOFTCAP: tl.constexpr, SCALE_PER_ROW: tl.constexpr, HAS_TARGET_COL: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     local = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -78,6 +86,7 @@ def _ce_block_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, scale_ptr, cla
     y, lse, target_coef, extra, scale, valid = _block_row_terms(
         rows, row_mask, target_ptr, lse_ptr, scale_ptr, class_weight_ptr, weight_sum_ptr, V, ignore_index, smoothing,
         z_loss, inv_temp, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, SCALE_PER_ROW)
+    y = _one_hot_cols(y, rows, row_mask, target_col_ptr, HAS_TARGET_COL)
     g = _block_grad(raw, col_start + local, col_mask, y, lse, target_coef, extra, scale, valid, class_weight_ptr, V,
                     smoothing, softcap, inv_temp, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS, HAS_SOFTCAP)
     tl.store(ptrs, g.to(logits_ptr.dtype.element_ty), mask=mask)
@@ -89,16 +98,16 @@ BLOCK_R, BLOCK_C, WARPS = 16, 512, 8
 
 def row_arguments(terms: RowTerms, opts: LossOptions) -> tuple[tuple, tuple, dict]:
     """The pointer and scalar arguments every low-memory kernel takes (after its own leading ones, in this
-    order: target, lse, scale, class weights, weight sum, then after V the loss's scalars) and its
-    constexpr switches. Absent tensors point at lse (never read)."""
+    order: target, lse, scale, class weights, weight sum, one-hot columns, then after V the loss's scalars)
+    and its constexpr switches. Absent tensors point at lse (never read)."""
     target, lse, class_weight, weight_sum, grad_scale = terms[:5]
     pointers = (target, lse, grad_scale, lse if class_weight is None else class_weight,
-                lse if weight_sum is None else weight_sum)
+                lse if weight_sum is None else weight_sum, lse if terms.target_col is None else terms.target_col)
     scalars = (opts.ignore_index, float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
                1.0 / opts.temperature)
     flags = dict(HAS_WEIGHT=class_weight is not None, HAS_SMOOTHING=opts.label_smoothing > 0.0,
                  HAS_Z_LOSS=opts.z_loss > 0.0, HAS_SOFTCAP=opts.softcap is not None,
-                 SCALE_PER_ROW=grad_scale.dim() == 1)
+                 SCALE_PER_ROW=grad_scale.dim() == 1, HAS_TARGET_COL=terms.target_col is not None)
     return pointers, scalars, flags
 
 
