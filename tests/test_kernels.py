@@ -116,10 +116,12 @@ def test_scale_into_rounds_16_bit_products_once(backend, device, torch_below, mo
         assert abs(bias) < 1e-4
 
 
+@pytest.mark.parametrize("presorted", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_subtract_target_rows_backends_match_float64(backend, device, dtype):
+def test_subtract_target_rows_backends_match_float64(backend, device, dtype, presorted):
     """A weight gradient's one-hot rows: grad[v] -= scale * sum of coef[r] * x[r] over the rows whose key is v
-    (repeated keys, keys past the end for rows without the term), one float32 sum and one rounding per row."""
+    (repeated keys, keys past the end for rows without the term), one float32 sum and one rounding per row;
+    ``presorted``: the keys come in a given order of the rows (the low-memory blocks sort once)."""
     from flce.kernels.target_rows_torch import subtract_target_rows_torch
 
     vocab, hidden, n = 37, 9, 50
@@ -129,13 +131,17 @@ def test_subtract_target_rows_backends_match_float64(backend, device, dtype):
     coef, scale = torch.rand(n, device=device) + 0.5, torch.tensor(0.37, device=device)
     want = grad.double().index_add(0, keys[keys < vocab].long(),
                                    -0.37 * (coef.double()[:, None] * x.double())[keys < vocab])
+    order = None
+    if presorted:  # sorted by key, the rows past the end moved into the middle: still one run per key
+        keys, order = torch.sort(torch.where(keys < vocab, keys, vocab // 2 + 0.5).float(), stable=True)
+        keys = torch.where(keys == vocab // 2 + 0.5, vocab, keys).to(torch.int32)
     got = grad.clone()
     if backend == "triton":
         from flce.kernels.exp_rows_triton import subtract_target_rows
 
-        subtract_target_rows(got, x, keys, coef, scale)
+        subtract_target_rows(got, x, keys, coef, scale, order)
     else:
-        subtract_target_rows_torch(got, x, keys, coef, scale)
+        subtract_target_rows_torch(got, x, keys, coef, scale, order)
     # Within one step of the dtype (the interpreter's 16-bit cast truncates where CUDA rounds).
     step = 2**-7 if dtype == torch.bfloat16 else 1e-6
     assert torch.allclose(got.double(), want, rtol=step, atol=1e-6 * want.abs().max().item())

@@ -1,18 +1,19 @@
 """The precise low-memory mode (``linear_cross_entropy(..., low_memory=True)``): its autograd Function and
 backward's vocabulary-block loop.
 
-Forward runs the chunk loop without the weight gradient: per chunk of rows the logits GEMM, the CE
-kernel (loss, lse, dlogits) and grad_input rows = dlogits @ W (K = V: one GEMM, rounded once). On Hopper
-in bf16 a chunk stores exp(logits) instead and needs no CE pass (``exp_logits.grads_chunk``, its
-float32 product in the memory the plan leaves beside the buffer); if rows left that path's window,
-backward runs forward's loop again on the standard path, and its blocks with that loop's lse. Backward
-recomputes the logits one block of vocabulary columns at a time for all rows, overwrites them with
-their gradient from the saved lse (``kernels/ce_block_*``), and writes grad_weight[block] = dz^T @ x:
-one GEMM over every row, float32 inside, rounded once into the weight's dtype. Four GEMMs in all, two
-exact gradients, and at most a small buffer plus the per-row lse above the gradients
-(``low_memory_plan.py``): the first, widest blocks keep their dz in grad_weight's rows not yet
-written. With reduction="none", grad_input's rows scale linearly with the per-row grad_output, and the
-block kernel takes it per row: nothing is recomputed twice.
+Forward runs the chunk loop without the weight gradient: per chunk of rows the logits GEMM, the CE kernel
+(loss, lse, dlogits) and grad_input rows = dlogits @ W (K = V: one GEMM, rounded once). On Hopper in bf16
+a chunk stores exp(logits) instead and needs no CE pass (``exp_logits.grads_chunk``, its float32 product
+in the memory the plan leaves beside the buffer); if rows left that path's window, backward runs forward's
+loop again on the standard path, and its blocks with that loop's lse. Backward recomputes the logits one
+block of vocabulary columns at a time for all rows, overwrites them with their gradient from the saved lse
+(``kernels/ce_block_*``), and writes grad_weight[block] = dz^T @ x: one GEMM over every row, float32
+inside, rounded once into the weight's dtype; an unconfident target's one-hot term stays out of the 16-bit
+dz and is subtracted from its row in float32 after that GEMM (``target_rows_apart``: in dz it would carry
+the rounding of the mean's scale on every target). Four GEMMs in all, two exact gradients, and at most a
+small buffer plus the per-row lse above the gradients (``low_memory_plan.py``): the first, widest blocks
+keep their dz in grad_weight's rows not yet written. With reduction="none", grad_input's rows scale
+linearly with the per-row grad_output, and the block kernel takes it per row: nothing is recomputed twice.
 
 Where the plan finds room (``LowMemoryPlan.forward_cols``; a mean or sum), forward allocates
 grad_weight's storage itself: its chunks' logits go at its start (after the weight's cast copy under
@@ -133,6 +134,7 @@ def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if n == 0:
         return tuple(None if g is None else g.zero_() for g in (grad_w, grad_b))
     x_c = _as_dtype(x, compute_dtype)
+    apart = None if terms.target_col is None else _sorted_apart_targets(terms, vocab)
     storage = None if grad_w is None else grad_w.view(-1).view(torch.uint8)
     buffer = None
     for start, end, scratch in plan.blocks(vocab, borrow=grad_w is not None, start=first):
@@ -153,25 +155,32 @@ def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             mm_into(grad_w[start:end], dz.t(), x_c, accumulate=False)
         if grad_b is not None:
             column_sums_into(grad_b[start:end], dz, accumulate=False)
-        if terms.target_col is not None:
-            keys = torch.where((terms.target_col < 0) & (terms.target >= start) & (terms.target < end),
-                               terms.target - start, cols).to(torch.int32)
+        if apart is not None:
+            sorted_keys, order = apart
+            # In sorted order each block's targets are one stretch; the others are marked past its end.
+            keys = torch.where((sorted_keys >= start) & (sorted_keys < end), sorted_keys - start, cols)
             if grad_w is not None:
-                _subtract_target_rows(grad_w[start:end], x_c, keys, coef, backend)
+                _subtract_target_rows(grad_w[start:end], x_c, keys, order, coef, backend)
             if grad_b is not None:
-                _subtract_target_rows(grad_b[start:end, None], x_c.new_ones(n, 1), keys, coef, backend)
+                _subtract_target_rows(grad_b[start:end, None], x_c.new_ones(n, 1), keys, order, coef, backend)
     return grad_w, grad_b
 
 
-def _subtract_target_rows(grad: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, coef: torch.Tensor,
-                          backend: str) -> None:
+def _sorted_apart_targets(terms: RowTerms, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The targets whose one-hot term stays out of dz, sorted (int32; V for the other rows), and their order."""
+    keys = torch.where(terms.target_col < 0, terms.target, vocab).to(torch.int32)
+    return torch.sort(keys, stable=True)
+
+
+def _subtract_target_rows(grad: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, order: torch.Tensor,
+                          coef: torch.Tensor, backend: str) -> None:
     one = torch.ones((), dtype=torch.float32, device=x.device)
     if backend == "triton":
         from .kernels.exp_rows_triton import subtract_target_rows
 
-        subtract_target_rows(grad, x, keys, coef, one)
+        subtract_target_rows(grad, x, keys, coef, one, order)
     else:
-        subtract_target_rows_torch(grad, x, keys, coef, one)
+        subtract_target_rows_torch(grad, x, keys, coef, one, order)
 
 
 def _borrow(storage: torch.Tensor, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:

@@ -244,14 +244,16 @@ def _target_rows_kernel(grad_ptr, stride_grad, x_ptr, stride_x, order_ptr, keys_
 
 
 def subtract_target_rows(grad: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, target_coef: torch.Tensor,
-                         scale: torch.Tensor) -> None:
+                         scale: torch.Tensor, order: torch.Tensor | None = None) -> None:
     """grad[v] -= scale * sum over rows r with keys[r] = v of target_coef[r] * x[r]: the one-hot term of
     grad_weight, one float32 sum and one rounding per vocabulary row (rows with the same key are runs after
-    a stable sort; keys = V mark rows without the term; no atomics, deterministic, no host sync).
-    grad (V, H) with unit-stride rows; x (n, H); keys (n,) int32; target_coef (n,)."""
+    a stable sort; keys = V or more mark rows without the term; no atomics, deterministic, no host sync).
+    grad (V, H) with unit-stride rows; x (n, H); keys (n,) int32; target_coef (n,). With ``order`` (n,), the
+    keys are already in that order (``keys[i]`` is row ``order[i]``'s) and each key below V forms one run."""
     n, hidden = x.shape
     if n == 0:
         return
-    keys, order = torch.sort(keys, stable=True)
+    if order is None:
+        keys, order = torch.sort(keys, stable=True)
     _target_rows_kernel[(n,)](grad, grad.stride(0), x, x.stride(0), order, keys, target_coef, scale, n, hidden,
                               grad.shape[0], BLOCK_H=min(1024, triton.next_power_of_2(hidden)), num_warps=4)

@@ -9,10 +9,12 @@ import torch
 
 
 def subtract_target_rows_torch(grad: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, target_coef: torch.Tensor,
-                               scale: torch.Tensor) -> None:
+                               scale: torch.Tensor, order: torch.Tensor | None = None) -> None:
     """grad[v] -= scale * sum over rows r with keys[r] = v of target_coef[r] * x[r], summed in float32 (float64
     for float64 tensors) and rounded once per row of grad. grad (V, H); x (n, H); keys (n,) integers, V (or
-    more) for rows without the term; target_coef (n,); scale 0-d."""
+    more) for rows without the term; target_coef (n,); scale 0-d; ``order`` (n,): keys[i] is row order[i]'s."""
+    if order is not None:
+        x, target_coef = x[order], target_coef[order]
     rows = keys < grad.shape[0]
     if not bool(rows.any()):
         return
