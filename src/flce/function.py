@@ -243,12 +243,12 @@ def _hopper_gemms(backend: str, device: torch.device) -> bool:
 
 
 def _scaled_product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
-                         backend: str) -> None:
+                         backend: str) -> torch.Tensor:
     """out = (a @ b) * scale (0-d), from a float32 product rounded once into out's dtype."""
     wide = math_dtype(a.dtype)
     product = out if out.dtype == wide else torch.empty(out.shape, dtype=wide, device=out.device)
     mm_into(product, a, b, accumulate=False)
-    scale_into(product, scale, out.dtype, backend, out=out)
+    return scale_into(product, scale, out.dtype, backend, out=out)
 
 
 def _splits_scale(compute_dtype: torch.dtype, grads: ChunkGrads) -> bool:
@@ -319,7 +319,7 @@ def finish_pending(p: PendingGrads, x_c: torch.Tensor, w: torch.Tensor, g: torch
     acc = math_dtype(dl.dtype)
     grads = ChunkGrads(None, None, None)
     if needs[0]:
-        grads.input = scale_into(mm_new(dl, w, acc), g, x_dtype, backend)
+        grads.input = _scaled_product_into(torch.empty(x_c.shape, dtype=x_dtype, device=dl.device), dl, w, g, backend)
     if needs[1]:
         grads.weight = mm_new(dl.t(), scale_into(x_c, g, x_c.dtype, backend, out=torch.empty_like(x_c)), w_dtype)
     if needs[2]:

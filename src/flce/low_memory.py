@@ -135,6 +135,10 @@ def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         return tuple(None if g is None else g.zero_() for g in (grad_w, grad_b))
     x_c = _as_dtype(x, compute_dtype)
     apart = None if terms.target_col is None else _sorted_apart_targets(terms, vocab)
+    if apart is not None:
+        sorted_keys, order = apart
+        unit = torch.ones((), dtype=torch.float32, device=x.device)  # coef holds the whole scale
+        bias_x = x_c.new_ones(n, 1) if grad_b is not None else None  # a bias is a weight on 1
     storage = None if grad_w is None else grad_w.view(-1).view(torch.uint8)
     buffer = None
     for start, end, scratch in plan.blocks(vocab, borrow=grad_w is not None, start=first):
@@ -156,13 +160,12 @@ def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         if grad_b is not None:
             column_sums_into(grad_b[start:end], dz, accumulate=False)
         if apart is not None:
-            sorted_keys, order = apart
             # In sorted order each block's targets are one stretch; the others are marked past its end.
             keys = torch.where((sorted_keys >= start) & (sorted_keys < end), sorted_keys - start, cols)
             if grad_w is not None:
-                _subtract_target_rows(grad_w[start:end], x_c, keys, order, coef, backend)
+                _subtract_target_rows(grad_w[start:end], x_c, keys, order, coef, unit, backend)
             if grad_b is not None:
-                _subtract_target_rows(grad_b[start:end, None], x_c.new_ones(n, 1), keys, order, coef, backend)
+                _subtract_target_rows(grad_b[start:end, None], bias_x, keys, order, coef, unit, backend)
     return grad_w, grad_b
 
 
@@ -173,14 +176,13 @@ def _sorted_apart_targets(terms: RowTerms, vocab: int) -> tuple[torch.Tensor, to
 
 
 def _subtract_target_rows(grad: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, order: torch.Tensor,
-                          coef: torch.Tensor, backend: str) -> None:
-    one = torch.ones((), dtype=torch.float32, device=x.device)
+                          coef: torch.Tensor, scale: torch.Tensor, backend: str) -> None:
     if backend == "triton":
         from .kernels.exp_rows_triton import subtract_target_rows
 
-        subtract_target_rows(grad, x, keys, coef, one, order)
+        subtract_target_rows(grad, x, keys, coef, scale, order)
     else:
-        subtract_target_rows_torch(grad, x, keys, coef, one, order)
+        subtract_target_rows_torch(grad, x, keys, coef, scale, order)
 
 
 def _borrow(storage: torch.Tensor, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
