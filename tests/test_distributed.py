@@ -230,6 +230,39 @@ def test_bf16_grad_input_as_precise_as_one_device(cluster2, sizes):
         assert err <= 1.02 * one, f"rank {rank}: grad_input error {err:.3g} against one device's {one:.3g}"
 
 
+def _mean_scale_case(rank, world, *, chunk_size, g, temperature):
+    """Errors of this rank's bf16 gradients over the bf16 rounding of the exact ones (float64 from the
+    16-bit logits both compute from), for a mean over 172 of 200 rows."""
+    torch.manual_seed(0)
+    n, vocab, hidden = 200, 8192, 64
+    x = torch.randn(n, hidden).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(vocab, hidden) * hidden**-0.5 * 0.5).to(torch.bfloat16)
+    t = torch.randint(0, vocab, (n,))
+    t[torch.randperm(n)[:28]] = -100
+    start, end = _bounds((vocab // world,) * world, rank)
+    w_shard = w[start:end].clone().requires_grad_()
+    loss = vocab_parallel_linear_cross_entropy(x, w_shard, t, chunk_size=chunk_size, temperature=temperature)
+    grads = torch.autograd.grad(loss * g, (x, w_shard))
+    z = (x @ w.t()).double().requires_grad_()
+    (dz,) = torch.autograd.grad(torch.nn.functional.cross_entropy(z / temperature, t) * g, z)
+    exact = [dz @ w.double(), (dz.t() @ x.double())[start:end]]
+    return [rel_err(got, e) / rel_err(e.to(torch.bfloat16), e) for got, e in zip(grads, exact)]
+
+
+@pytest.mark.parametrize("chunk_size,g,temperature", [(None, 1.0, 1.0), (None, 1 / 3, 1.0), (64, 1.0, 1.0),
+                                                       (64, 1 / 3, 1.0), (64, 1.0, 1.3)])
+def test_mean_scale_stays_out_of_the_rounded_dlogits(cluster2, chunk_size, g, temperature):
+    """As on one device: a mean's 1 / 172 folded into the 16-bit dlogits read 1.8x the bf16 rounding in both
+    gradients (2.0-2.2x with grad_output 1/3). The dlogits take only its power of two, the rest joins the
+    float32 grad_input and sums (1.0x); a single chunk's 16-bit grad_weight takes it on x_c (1.3x, 1.6x
+    with grad_output 1/3, rounded again in backward). 1 / temperature joins the scale."""
+    results = cluster2.run(_mean_scale_case, chunk_size=chunk_size, g=g, temperature=temperature)
+    for rank, (input_ratio, weight_ratio) in enumerate(results):
+        assert input_ratio <= 1.05, f"rank {rank}: grad_input at {input_ratio:.3g}x the bf16 rounding"
+        bound = 1.05 if chunk_size else 1.4 if g == 1 else 1.7
+        assert weight_ratio <= bound, f"rank {rank}: grad_weight at {weight_ratio:.3g}x the bf16 rounding"
+
+
 def test_custom_ignore_index_and_autocast(cluster2):
     results = cluster2.run(vocab_parallel_case, sizes=(23, 17), ignore=0.3, ignore_index=7, chunk_size=8)
     _assert_all_close(results, torch.float64)

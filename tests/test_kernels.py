@@ -97,6 +97,30 @@ def test_scale_into_in_place_out_of_place_and_cast(backend, device, g, torch_bel
 
 
 @pytest.mark.parametrize("torch_below", [0, 1 << 20])
+def test_scale_into_one_scale_per_index_of_a_dim(backend, device, torch_below, monkeypatch):
+    """The grouped loss's per-head scales: src times a scale with one full dim, the rest 1 ((G, 1, 1) for
+    (G, n, H)), in place or cast, also on a permuted layout (a batched GEMM's output seen as (G, B, H));
+    a scale of another shape takes torch's broadcasting multiply."""
+    import flce.kernels.scale
+    from flce.kernels.scale import scale_into
+
+    monkeypatch.setattr(flce.kernels.scale, "TORCH_BELOW", torch_below)
+    base = torch.randn(3, 7, 1001, device=device)  # slices that end inside a Triton block
+    heads = torch.tensor([0.37, 1.0, -2.5], device=device)
+    for src, scale in ((base, heads[:, None, None]), (base.transpose(0, 1), heads[None, :, None]),
+                       (base, torch.rand(1, 7, 1, device=device) + 0.5)):
+        want = src.double() * scale.double()
+        same = src.clone()
+        assert scale_into(same, scale, torch.float32, backend) is same
+        assert torch.allclose(same.double(), want, rtol=1e-6, atol=0)
+        cast = scale_into(src, scale, torch.bfloat16, backend, out=torch.empty_like(src, dtype=torch.bfloat16))
+        assert cast.dtype == torch.bfloat16 and torch.allclose(cast.double(), want, rtol=2**-7, atol=0)
+    per_column = torch.rand(1001, device=device) + 0.5
+    assert torch.allclose(scale_into(base, per_column, torch.float32, backend, out=torch.empty_like(base)).double(),
+                          base.double() * per_column.double(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("torch_below", [0, 1 << 20])
 def test_scale_into_rounds_16_bit_products_once(backend, device, torch_below, monkeypatch):
     """A bf16 tensor times a float32 scale that bf16 cannot hold (1 / 172 lies near a rounding tie):
     each product is rounded once, so the errors carry no common sign. CUDA's bf16-by-0-d-tensor multiply

@@ -132,7 +132,7 @@ def linear_cross_entropy(
     class_w = weight.to(acc).contiguous() if weight is not None else None
     weight_sum = class_w.sum() if class_w is not None else None
     kernel_counts = None
-    if not low_memory and _kernel_finishes_mean(plan, grad, reduction, class_w, num_items, acc):
+    if not low_memory and _kernel_finishes_mean(plan, grad, opts, class_w, num_items, acc):
         kernel_counts = counts = torch.zeros(3, dtype=torch.int64, device=t.device)
         scale = torch.empty((), dtype=torch.float32, device=t.device)  # written by the CE kernel
     else:
@@ -232,11 +232,12 @@ class LinearCrossEntropyLoss(nn.Module):
         return ", ".join(shown)
 
 
-def _kernel_finishes_mean(plan: ChunkPlan | None, grad: bool, reduction: str, class_w, num_items, acc) -> bool:
+def _kernel_finishes_mean(plan: ChunkPlan | None, grad: bool, opts: LossOptions, class_w, num_items, acc) -> bool:
     """Whether the CE kernel counts the targets and finishes the mean itself (``LoopSpec.counts``): for a
-    plain float32 mean over one chunk in training, which spares a small, launch-bound batch three launches."""
-    return (grad and plan is not None and plan.n_rows > 0 and plan.num_chunks == 1 and reduction == "mean"
-            and class_w is None and num_items is None and acc == torch.float32)
+    plain float32 mean over one chunk in training, which spares a small, launch-bound batch three launches.
+    (Its dlogits carry 1 / temperature: other temperatures count first, so that backward applies it.)"""
+    return (grad and plan is not None and plan.n_rows > 0 and plan.num_chunks == 1 and opts.reduction == "mean"
+            and class_w is None and num_items is None and acc == torch.float32 and opts.temperature == 1.0)
 
 
 # Below this many tokens the GEMMs are passes over the weight whatever the row count, so dropping

@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_and_compact, check_class_weight, check_tensors, compute_dtype, flat_targets
-from .function import ChunkGrads, LossParts, finish_forward, not_twice_differentiable, release, scale_grads, take_grads
+from .function import (ChunkGrads, LossParts, finish_forward, not_twice_differentiable, release, scale_grads,
+                       settle_residual, split_scale, take_grads)
 from .gemm import column_sums_into, mm_into
 from .import_hooks import compile_disabled
 from .kernels import math_dtype, resolve_backend
 from .kernels.ce_vocab_parallel import ROW_MAX, STATS, SUM_EXP, SUM_LOGITS, TARGET_LOGIT, shard_grad, shard_stats
+from .kernels.scale import scale_into
 from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
 from .planner import ChunkPlan, plan_chunks, weight_grad_hidden
@@ -284,6 +286,11 @@ def _chunk_loop(
         return parts, grads
 
     buffer = torch.empty(plan.rows, weight.shape[0], dtype=setup.compute_dtype, device=dev)
+    ce_scale, residual = grad_scale, None
+    if grad and grad_scale.dim() == 0 and setup.compute_dtype.itemsize == 2:
+        # as the one-device loop: see ``function.split_scale``
+        ce_scale, residual = split_scale(grad_scale, setup.opts.temperature)
+    wide_weight = grads.weight is None or grads.weight.dtype.itemsize > 2
     summing = None  # the grad_input all-reduce, in flight behind the last grad_weight GEMM
     for i, (start, end) in enumerate(plan.bounds()):
         chunk = slice(start, end)
@@ -296,16 +303,21 @@ def _chunk_loop(
             _agree_on_softmax(logits, rows, classes, setup, parts, chunk)
         if not grad:
             continue
-        scale = grad_scale[chunk] if grad_scale.dim() == 1 else grad_scale.expand(end - start)
+        scale = ce_scale[chunk] if ce_scale.dim() == 1 else ce_scale.expand(end - start)
         _write_grad(logits, rows, classes, setup, parts.lse[chunk], scale, chunk)
         if need_x:
             mm_into(grads.input[chunk], logits, w, accumulate=False)
+            if residual is not None:  # float32: scaled before the sum, rounded once in backward
+                grads.input[chunk] *= residual
             if end == n:  # each rank holds dlogits @ W_shard for every row: the gradient is their sum
                 summing = dist.all_reduce(grads.input, group=setup.group, async_op=True)
         if need_w:
+            if residual is not None and not wide_weight:  # a 16-bit weight gradient: x_c takes the residual
+                x_c = scale_into(x_c, residual, x_c.dtype, setup.backend, out=torch.empty_like(x_c))
             mm_into(grads.weight, logits.t(), x_c, accumulate=i > 0)
         if need_b:
             column_sums_into(grads.bias, logits, accumulate=True)
+    settle_residual(grads, residual)
     if summing is not None:
         summing.wait()
     return parts, grads

@@ -10,8 +10,9 @@ Two exceptions. With a single chunk (small batches) the two gradient GEMMs wait 
 grad_output and the reduction's scale are applied where each gradient is rounded once: to the small
 operand x_c for grad_weight, to grad_input's float32 product (dlogits stay unscaled); for a plain mean the
 CE kernel also counts the targets and finishes the mean itself (``LoopSpec.counts``). With several
-chunks dlogits take only the scale's power of two, the rest joins float32 (``split_scale``). With
-reduction="none" the per-row grad_output is only known in backward, so there the loop runs again.
+chunks dlogits take only the power of two of the scale over the temperature, the rest joins float32
+(``split_scale``). With reduction="none" the per-row grad_output is only known in backward, so there the
+loop runs again.
 A single chunk on Hopper in bf16 (1024 rows or more, the common options) goes further: its logits GEMM
 stores exp(logits), a row kernel takes the loss and row coefficients from the GEMM's statistics, and
 backward's GEMMs run on the exponentials with the rows scaled: no CE pass at all (``exp_logits.py``).
@@ -41,7 +42,7 @@ import torch
 
 from . import exp_logits, loss_only
 from .exp_logits import PendingExp
-from .gemm import column_sums_into, first_cols, mm_into, mm_new
+from .gemm import bmm_into, column_sums_into, first_cols, mm_into, mm_new
 from .kernels import ce_chunk, math_dtype
 from .kernels.scale import scale_into
 from .options import LossOptions
@@ -121,7 +122,7 @@ def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool,
         if grads.scale is None:
             mm_into(_take(grads.input, rows), dl, w, accumulate=False)
         else:
-            _scaled_product_into(_take(grads.input, rows), dl, w, grads.scale, backend)
+            scaled_product_into(_take(grads.input, rows), dl, w, grads.scale, backend)
     if grads.weight is not None:
         mm_into(grads.weight, first_cols(dl, grads.weight.shape[0]).t(), x_c, accumulate=accumulate)
     if grads.bias is not None:
@@ -196,11 +197,11 @@ def chunk_loop(
     # may store exp(logits) where the plan budgets the product.
     exp_input = plan.input_product_cols > 0 and (need_x or need_w) and (
         memory is not None or not (need_w or need_b)) and _hopper_gemms(backend, dev)
-    ce_scale = grad_scale
+    ce_scale, pending_scale = grad_scale, grad_scale
     if defer and counts is None:  # unscaled dlogits: backward applies the scale with grad_output
-        ce_scale = torch.ones((), dtype=acc, device=dev)
+        ce_scale, pending_scale = unit_dlogits(grad_scale, opts.temperature)
     elif grads is not None and not row_scale and not exp_input and _splits_scale(compute_dtype, grads):
-        ce_scale, grads.scale = split_scale(grad_scale)
+        ce_scale, grads.scale = split_scale(grad_scale, opts.temperature)
     misses = None
     for i, (start, end) in enumerate(plan.bounds()):
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
@@ -226,7 +227,7 @@ def chunk_loop(
                  _take(parts.correct, rows), class_weight, weight_sum,
                  _take(grad_scale, rows) if row_scale else ce_scale, opts, counts, parts.total, tile_stats)
         if defer:
-            return parts, PendingGrads(dlogits=logits, x=x_c, w=w, scale=grad_scale)
+            return parts, PendingGrads(dlogits=logits, x=x_c, w=w, scale=pending_scale)
         gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0, backend=backend)
     if misses is not None:
         grads.window = exp_logits.WindowCheck(misses)
@@ -242,13 +243,20 @@ def _hopper_gemms(backend: str, device: torch.device) -> bool:
     return logits_triton.hopper(device)
 
 
-def _scaled_product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
-                         backend: str) -> torch.Tensor:
-    """out = (a @ b) * scale (0-d), from a float32 product rounded once into out's dtype."""
+def scaled_product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+                        backend: str) -> torch.Tensor:
+    """out = (a @ b) * scale, from a float32 product rounded once into out's dtype. 2-D operands with a
+    0-d scale, or batched (G, m, k) @ (G, k, n) with a (G,) scale, one per product (out may be strided)."""
     wide = math_dtype(a.dtype)
-    product = out if out.dtype == wide else torch.empty(out.shape, dtype=wide, device=out.device)
-    mm_into(product, a, b, accumulate=False)
-    return scale_into(product, scale, out.dtype, backend, out=out)
+    product = out if out.dtype == wide else torch.empty_like(out, dtype=wide)  # a dense out's layout
+    if a.dim() == 3:
+        bmm_into(product, a, b, accumulate=False)
+        scale = scale[:, None, None]
+    else:
+        mm_into(product, a, b, accumulate=False)
+    if product.stride() == out.stride():
+        return scale_into(product, scale, out.dtype, backend, out=out)
+    return out.copy_(scale_into(product, scale, wide, backend))  # out is a strided piece: one cast copy
 
 
 def _splits_scale(compute_dtype: torch.dtype, grads: ChunkGrads) -> bool:
@@ -258,17 +266,39 @@ def _splits_scale(compute_dtype: torch.dtype, grads: ChunkGrads) -> bool:
     return wanted and compute_dtype.itemsize == 2 and (grads.weight is None or grads.weight.dtype.itemsize > 2)
 
 
-def split_scale(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """0-d ``scale`` = power * residual, power a power of two, residual in [1/2, 1) (1 for a zero scale).
+def split_scale(scale: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel scale, residual) for a loss ``scale`` (any shape, elementwise): the CE kernel's dlogits, which
+    it scales by kernel scale / temperature, take a power of two; residual, in [1/2, 1) (1 for a zero scale),
+    times that power is scale / temperature.
 
     Chunks round their dlogits before grad_output is known. Scaled there by a mean's 1 / count, every
     target entry (-scale, for the likely rows) would carry the same rounding of that scale: 2.2-2.4x the
-    bf16 rounding in both gradients at counts that round badly (benchmark/NOTES.md). A power of two scales
-    exactly (and, at most 2x the scale, keeps fp16 dlogits as far from underflow); the residual joins the
-    float32 products and sums instead."""
-    mantissa, _ = torch.frexp(scale)
+    bf16 rounding in both gradients at counts that round badly (benchmark/NOTES.md); 1 / temperature
+    likewise. A power of two scales exactly (and, at most 2x the scale, keeps fp16 dlogits as far from
+    underflow); the residual joins the float32 products and sums instead."""
+    mantissa, _ = torch.frexp(scale if temperature == 1.0 else scale / temperature)
     residual = torch.where(mantissa == 0, 1.0, mantissa)
-    return scale / residual, residual  # exact: the quotient is a power of two
+    return scale / residual, residual  # exact at temperature 1: the quotient is a power of two
+
+
+def unit_dlogits(scale: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel scale, pending scale) for dlogits left unscaled, the loss's ``scale`` and 1 / temperature
+    (which the CE kernel would fold in) both applied later, in float32, with grad_output."""
+    if temperature == 1.0:
+        return torch.ones((), dtype=scale.dtype, device=scale.device), scale
+    return torch.full((), temperature, dtype=scale.dtype, device=scale.device), scale / temperature
+
+
+def settle_residual(grads: ChunkGrads, residual: torch.Tensor | None) -> None:
+    """After the chunks of a loop whose dlogits took only ``split_scale``'s power of two (grad_input has the
+    residual): a float32 weight sum and the bias sums take it in backward, with grad_output (``grads.scale``);
+    beside a 16-bit weight gradient (a single chunk's, whose x_c took it) the bias sums take it now."""
+    if residual is None:
+        return
+    if grads.weight is None or grads.weight.dtype.itemsize > 2:
+        grads.scale = residual
+    elif grads.bias is not None:
+        grads.bias *= _per_leading(residual, grads.bias)
 
 
 def chunk_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,
@@ -319,7 +349,7 @@ def finish_pending(p: PendingGrads, x_c: torch.Tensor, w: torch.Tensor, g: torch
     acc = math_dtype(dl.dtype)
     grads = ChunkGrads(None, None, None)
     if needs[0]:
-        grads.input = _scaled_product_into(torch.empty(x_c.shape, dtype=x_dtype, device=dl.device), dl, w, g, backend)
+        grads.input = scaled_product_into(torch.empty(x_c.shape, dtype=x_dtype, device=dl.device), dl, w, g, backend)
     if needs[1]:
         grads.weight = mm_new(dl.t(), scale_into(x_c, g, x_c.dtype, backend, out=torch.empty_like(x_c)), w_dtype)
     if needs[2]:
@@ -421,9 +451,15 @@ class _FirstOrderOnly(torch.autograd.Function):
 def scale_grads(grads: ChunkGrads, g: torch.Tensor | None, dtypes, backend: str = "torch") -> list:
     """(input, weight, bias) gradients times grad_output ``g`` (None: already scaled), in ``dtypes``; weight
     and bias also times ``grads.scale`` (already in grad_input)."""
+    assert g is not None or grads.scale is None, "the residual scale comes with grad_output"
     g_sums = g if g is None or grads.scale is None else g * grads.scale
-    return [None if t is None else (_as_dtype(t, dt) if s is None else scale_into(t, s, dt, backend))
+    return [None if t is None else (_as_dtype(t, dt) if s is None else scale_into(t, _per_leading(s, t), dt, backend))
             for t, dt, s in zip((grads.input, grads.weight, grads.bias), dtypes, (g, g_sums, g_sums))]
+
+
+def _per_leading(scale: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A 0-d scale as is; a (G,) one (the grouped loss's per-head residual) shaped to scale t's leading dim."""
+    return scale if scale.dim() == 0 else scale.view(-1, *(1,) * (t.dim() - 1))
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -466,10 +502,10 @@ def _redo_standard(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, spec: Loop
     bias, class_weight, weight_sum = p.redo
     logits, tile_stats = chunk_logits(x_c, w, bias, p.e, spec.opts, spec.backend)
     rows = torch.empty(2, x_c.shape[0], dtype=torch.float32, device=x_c.device)  # loss and lse, not used
-    unscaled = torch.ones((), dtype=torch.float32, device=x_c.device)
+    unscaled, scale = unit_dlogits(p.scale, spec.opts.temperature)
     ce_chunk(spec.backend, logits, p.target, rows[0], rows[1], None, class_weight, weight_sum, unscaled, spec.opts,
              tile_stats=tile_stats)
-    return PendingGrads(dlogits=logits, x=None, w=None, scale=p.scale)
+    return PendingGrads(dlogits=logits, x=None, w=None, scale=scale)
 
 
 def _input_grads(ctx, loop, spec: LoopSpec, needs, dtypes, g: torch.Tensor) -> list:

@@ -30,11 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from .checks import check_tensors, compute_dtype, flat_targets, raise_bad_targets
-from .function import ChunkGrads, LinearCrossEntropyFunction, LoopSpec, LossParts
+from .function import (ChunkGrads, LinearCrossEntropyFunction, LoopSpec, LossParts, scaled_product_into,
+                       settle_residual, split_scale)
 from .gemm import bmm_into
 from .grouped import check_group_bias, group_major_view
 from .import_hooks import compile_disabled
 from .kernels import ce_chunk, math_dtype, resolve_backend
+from .kernels.scale import scale_into
 from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
 from .planner import ChunkPlan, plan_chunks, weight_grad_hidden
@@ -126,7 +128,7 @@ def grouped_linear_cross_entropy(
     spec = LoopSpec(opts, plan, dtype, backend, return_stats, entry="flce.grouped_linear_cross_entropy")
     if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:3]):
         loss, lse, correct, token_loss = LinearCrossEntropyFunction.apply(grouped_chunk_loop, spec, *args,
-                                                                          token_scale, None)
+                                                                          scales, None)
     else:
         parts, _ = grouped_chunk_loop(*args, None, (False, False, False), spec)
         token_loss, lse, correct = parts.loss, parts.lse, parts.correct
@@ -189,9 +191,11 @@ def grouped_chunk_loop(
     ``defer`` is accepted for that contract and ignored: the grouped loop always finishes its GEMMs.
 
     x: (B, G, H) or (G, B, H) per ``plan.group_major``; weight: (G, V, H); bias: (G, V) or None;
-    target: (B, G) or (G, B) int64; grad_scale: None, 0-d, or per token in target's shape.
-    Per-token outputs have the target's shape; gradients the shapes of x, weight and bias. With a
-    per-token grad_scale, ``parts.total`` is the sum of the tokens' losses times their scales.
+    target: (B, G) or (G, B) int64; grad_scale: None, 0-d, (G,) one per group, or per token in target's
+    shape (reduction="none"). Per-token outputs have the target's shape; gradients the shapes of x, weight
+    and bias. With a per-group or per-token grad_scale, ``parts.total`` is the sum of the tokens' losses
+    times their scales. As in the core, 16-bit dlogits take only a group's power of two of its scale, the
+    rest (``grads.scale``, (G,)) joins grad_input's float32 product and the float32 weight and bias sums.
     """
     opts, plan, compute_dtype, backend, want_correct = spec[:5]  # the grouped loss never passes counts
 
@@ -204,7 +208,8 @@ def grouped_chunk_loop(
     w = weight.to(compute_dtype)  # no copy unless autocast asks for a narrower dtype
     grad = grad_scale is not None
     need_x, need_w, need_b = (grad and k for k in needs)
-    per_token = grad and grad_scale.dim() > 0
+    per_group = grad and grad_scale.dim() == 1
+    per_token = grad and grad_scale.dim() == 2
 
     def per_token_buffer() -> torch.Tensor:
         return torch.empty(target.shape, dtype=acc, device=dev)
@@ -218,7 +223,7 @@ def grouped_chunk_loop(
     if plan.n_rows == 0:
         if grads.weight is not None:
             grads.weight.zero_()
-        if per_token:
+        if per_token or per_group:
             parts.total = torch.zeros((), dtype=acc, device=dev)
         return parts, grads
 
@@ -226,6 +231,12 @@ def grouped_chunk_loop(
     logits_buffer = torch.empty(groups * plan.rows * vocab, dtype=compute_dtype, device=dev)
     token_buffer = torch.empty(3, groups * plan.rows, dtype=acc, device=dev)
     x_gm, t_gm = gm(x), gm(target)
+    ce_scale, residual = grad_scale, None
+    if per_group and compute_dtype.itemsize == 2 and (need_x or need_w or need_b):
+        ce_scale, residual = split_scale(grad_scale, opts.temperature)
+    # The residual joins grad_input's float32 product here (the sums: ``settle_residual``); a 16-bit weight
+    # gradient (a single chunk's) takes it on x_c, its operand, rounded once.
+    wide_weight = grads.weight is None or grads.weight.dtype.itemsize > 2
     for i, (start, end) in enumerate(plan.bounds()):
         n = groups * (end - start)
         x_c = x_gm[:, start:end].to(compute_dtype)  # (G, c, H) view
@@ -234,7 +245,12 @@ def grouped_chunk_loop(
         if bias is not None:
             logits.add_(bias[:, None, :])
         loss_c, lse_c, correct_c = token_buffer[:, :n]
-        scale = gm(grad_scale)[:, start:end].reshape(-1).contiguous() if per_token else grad_scale
+        if per_token:
+            scale = gm(grad_scale)[:, start:end].reshape(-1).contiguous()
+        elif per_group:  # a group's rows are contiguous in the chunk's G * c rows (scales may be expanded views)
+            scale = ce_scale[:, None].expand(groups, end - start).reshape(-1).contiguous()
+        else:
+            scale = grad_scale
         ce_chunk(
             backend,
             logits.view(n, vocab),
@@ -250,15 +266,37 @@ def grouped_chunk_loop(
         for full, chunk in zip((parts.loss, parts.lse, parts.correct), (loss_c, lse_c, correct_c)):
             if full is not None:
                 gm(full)[:, start:end].copy_(chunk.view(groups, -1))
-        if need_x:
+        if need_x and residual is not None:
+            _input_grad_into(gm(grads.input)[:, start:end], logits, w, residual, backend)
+        elif need_x:
             bmm_into(gm(grads.input)[:, start:end], logits, w, accumulate=False)
         if need_w:
+            if residual is not None and not wide_weight:
+                x_c = scale_into(x_c, residual[:, None, None], compute_dtype, backend, out=torch.empty_like(x_c))
             bmm_into(grads.weight, logits.transpose(1, 2), x_c, accumulate=i > 0)
         if need_b:
             grads.bias += logits.sum(1, dtype=acc)
+    settle_residual(grads, residual)
     if per_token:
         parts.total = (parts.loss * grad_scale).sum()
+    elif per_group:
+        parts.total = (gm(parts.loss) * grad_scale[:, None]).sum()
     return parts, grads
+
+
+# The float32 product behind a chunk's grad_input is made in pieces of rows of at most this size: a single
+# chunk holds every row (256 MiB at 8192 positions x 2 heads x 4096 in one piece).
+PRODUCT_BYTES = 64 << 20
+
+
+def _input_grad_into(out: torch.Tensor, dlogits: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
+                     backend: str) -> None:
+    """out (G, c, H) = dlogits (G, c, V) @ w (G, V, H) times residual (G,), one head's each, rounded once
+    from float32 products of at most ``PRODUCT_BYTES``."""
+    groups, rows, hidden = out.shape
+    piece = max(1, min(rows, PRODUCT_BYTES // (groups * hidden * 4)))
+    for k in range(0, rows, piece):
+        scaled_product_into(out[:, k:k + piece], dlogits[:, k:k + piece], w, residual, backend)
 
 
 def _check_grouped(input, linear_weight, target, bias, class_weight, group_major: bool) -> None:
