@@ -117,14 +117,16 @@ def test_autocast_copies_are_what_backward_reads(backend, device):
             w.sub_(1.0)
 
 
+@pytest.mark.parametrize("changed", ["weight", "input"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_grouped_loss_weight_change_raises(backend, device, reduction):
+def test_grouped_loss_weight_or_input_change_raises(backend, device, reduction, changed):
+    """A single chunk's backward reads both (its GEMMs wait for it), as eager's would."""
     x = torch.randn(5, 2, 8, device=device, requires_grad=True)
     w = torch.randn(2, 20, 8, device=device, requires_grad=True)
     t = torch.randint(0, 20, (5, 2), device=device)
     loss = flce.grouped_linear_cross_entropy(x, w, t, reduction=reduction, backend=backend)
     with torch.no_grad():
-        w.mul_(2.0)
+        (w if changed == "weight" else x).mul_(2.0)
     with pytest.raises(RuntimeError, match=INPLACE):
         loss.sum().backward()
 

@@ -198,8 +198,9 @@ def test_group_scales_stay_out_of_the_rounded_dlogits(backend, device, chunk_siz
     """Each head's mean, 1 / count_g, folded into its 16-bit dlogits put that scale's rounding on every target
     entry of the head: 1.75x the bf16 rounding in both gradients at these counts (172 and 161), 2.0x with
     grad_output 1/3. The dlogits now take only each scale's power of two; the rest meets grad_input's
-    float32 product and the float32 weight sums (1.0x). A single chunk's 16-bit grad_weight takes it on x_c
-    (1.4x); grad_output other than 1 still rounds what forward stored a second time (1.4x / 1.65x). The
+    float32 product and the float32 weight sums (1.0x); grad_output 1/3 still rounds the grad_input they
+    stored a second time (1.4x). A single chunk leaves its dlogits unscaled for backward's GEMMs, which apply
+    scale and grad_output to grad_input's float32 product (1.0x) and to x_c for grad_weight (1.4x). The
     temperature's 1 / 0.7 joins the scales."""
     if backend == "triton" and device.type == "cpu":
         pytest.skip("the interpreter truncates 16-bit casts where CUDA rounds: covered on a GPU")
@@ -218,8 +219,8 @@ def test_group_scales_stay_out_of_the_rounded_dlogits(backend, device, chunk_siz
     (dz,) = torch.autograd.grad(ref * g, z)
     exact = [torch.einsum("bgv,gvh->bgh", dz, w.double()), torch.einsum("bgv,bgh->gvh", dz, x.double())]
     rounding = [rel_err(e.to(torch.bfloat16), e) for e in exact]
-    assert rel_err(grads[0], exact[0]) <= (1.05 if g == 1 else 1.6) * rounding[0]
-    assert rel_err(grads[1], exact[1]) <= (1.05 if chunk_size else 1.5 if g == 1 else 1.8) * rounding[1]
+    assert rel_err(grads[0], exact[0]) <= (1.05 if g == 1 or not chunk_size else 1.6) * rounding[0]
+    assert rel_err(grads[1], exact[1]) <= (1.05 if chunk_size else 1.5) * rounding[1]
 
 
 def test_num_items_in_batch(device):

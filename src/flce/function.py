@@ -84,6 +84,10 @@ class PendingGrads:
     w: torch.Tensor | None  # (V, H) in the compute dtype
     scale: torch.Tensor | None = None  # the reduction's 0-d scale, not in dlogits: backward applies it
 
+    def finish(self, x_c: torch.Tensor, w: torch.Tensor, g: torch.Tensor, needs, dtypes, backend: str) -> ChunkGrads:
+        """Backward's GEMMs (``finish_pending``); x_c, w: the forward's operands, from ``ctx.saved_tensors``."""
+        return finish_pending(self, x_c, w, g, needs, dtypes, backend)
+
 
 class LoopSpec(NamedTuple):
     """A chunk loop's settings: the loss, the chunk plan, the GEMMs' dtype, the CE backend, whether to
@@ -518,7 +522,7 @@ def _input_grads(ctx, loop, spec: LoopSpec, needs, dtypes, g: torch.Tensor) -> l
             _redo_standard(grads, *saved, spec), *saved, g, needs, dtypes, spec.backend)
         g = None
     elif isinstance(grads, PendingGrads):
-        grads = finish_pending(grads, *saved, g, needs, dtypes, spec.backend)
+        grads = grads.finish(*saved, g, needs, dtypes, spec.backend)
         g = None
     elif grads is None:  # reduction="none": run the loop again with the per-row grad_output
         _, grads = loop(*saved, g.contiguous(), needs, spec)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from .checks import check_tensors, compute_dtype, flat_targets, raise_bad_targets
-from .function import (ChunkGrads, LinearCrossEntropyFunction, LoopSpec, LossParts, scaled_product_into,
-                       settle_residual, split_scale)
+from .function import (ChunkGrads, LinearCrossEntropyFunction, LoopSpec, LossParts, PendingGrads,
+                       scaled_product_into, settle_residual, split_scale, unit_dlogits)
 from .gemm import bmm_into
 from .grouped import check_group_bias, group_major_view
 from .import_hooks import compile_disabled
@@ -188,7 +188,8 @@ def grouped_chunk_loop(
     defer: bool = False,
 ) -> tuple[LossParts, ChunkGrads]:
     """The core's ``chunk_loop`` (same contract) over groups: chunks of batch positions, batched GEMMs.
-    ``defer`` is accepted for that contract and ignored: the grouped loop always finishes its GEMMs.
+    ``defer`` (a single chunk with a per-group scale) returns the chunk's unscaled dlogits for backward's
+    GEMMs (``PendingGroupedGrads``), as the core's single chunk does.
 
     x: (B, G, H) or (G, B, H) per ``plan.group_major``; weight: (G, V, H); bias: (G, V) or None;
     target: (B, G) or (G, B) int64; grad_scale: None, 0-d, (G,) one per group, or per token in target's
@@ -231,8 +232,11 @@ def grouped_chunk_loop(
     logits_buffer = torch.empty(groups * plan.rows * vocab, dtype=compute_dtype, device=dev)
     token_buffer = torch.empty(3, groups * plan.rows, dtype=acc, device=dev)
     x_gm, t_gm = gm(x), gm(target)
-    ce_scale, residual = grad_scale, None
-    if per_group and compute_dtype.itemsize == 2 and (need_x or need_w or need_b):
+    defer = defer and per_group and plan.num_chunks == 1
+    ce_scale, residual, pending_scale = grad_scale, None, None
+    if defer:  # backward applies the scales with grad_output, where each gradient is rounded once
+        ce_scale, pending_scale = unit_dlogits(grad_scale, opts.temperature)
+    elif per_group and compute_dtype.itemsize == 2 and (need_x or need_w or need_b):
         ce_scale, residual = split_scale(grad_scale, opts.temperature)
     # The residual joins grad_input's float32 product here (the sums: ``settle_residual``); a 16-bit weight
     # gradient (a single chunk's) takes it on x_c, its operand, rounded once.
@@ -247,10 +251,10 @@ def grouped_chunk_loop(
         loss_c, lse_c, correct_c = token_buffer[:, :n]
         if per_token:
             scale = gm(grad_scale)[:, start:end].reshape(-1).contiguous()
-        elif per_group:  # a group's rows are contiguous in the chunk's G * c rows (scales may be expanded views)
-            scale = ce_scale[:, None].expand(groups, end - start).reshape(-1).contiguous()
+        elif per_group and ce_scale.dim() == 1:  # a group's rows are contiguous in the chunk's G * c rows
+            scale = ce_scale[:, None].expand(groups, end - start).reshape(-1).contiguous()  # (not an expanded view)
         else:
-            scale = grad_scale
+            scale = ce_scale
         ce_chunk(
             backend,
             logits.view(n, vocab),
@@ -266,6 +270,10 @@ def grouped_chunk_loop(
         for full, chunk in zip((parts.loss, parts.lse, parts.correct), (loss_c, lse_c, correct_c)):
             if full is not None:
                 gm(full)[:, start:end].copy_(chunk.view(groups, -1))
+        if defer:
+            parts.total = (gm(parts.loss) * grad_scale[:, None]).sum()
+            # x itself, not a view made here: an in-place change of it then raises autograd's usual error
+            return parts, PendingGroupedGrads(logits, x.to(compute_dtype), w, pending_scale, plan.group_major)
         if need_x and residual is not None:
             _input_grad_into(gm(grads.input)[:, start:end], logits, w, residual, backend)
         elif need_x:
@@ -282,6 +290,33 @@ def grouped_chunk_loop(
     elif per_group:
         parts.total = (gm(parts.loss) * grad_scale[:, None]).sum()
     return parts, grads
+
+
+@dataclass
+class PendingGroupedGrads(PendingGrads):
+    """A single grouped chunk's dlogits (G, c, V), left unscaled, and its operands x (in its layout, the
+    compute dtype) and w (G, V, H); ``scale`` (G,): the loss's per-group scales over the temperature."""
+
+    group_major: bool = False
+
+    def finish(self, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, needs, dtypes, backend: str) -> ChunkGrads:
+        """Backward's batched GEMMs, each head's scale times grad_output g (0-d) applied where its gradients
+        are rounded once (as ``function.finish_pending``): grad_input's float32 product, x_c for grad_weight,
+        grad_bias's float32 sums. grad_input comes back in x's layout."""
+        x_dtype, w_dtype, b_dtype = dtypes
+        dl, g, x_c = self.dlogits, g * self.scale, group_major_view(x, self.group_major)
+        grads = ChunkGrads(None, None, None)
+        if needs[0]:
+            out = torch.empty_like(x_c, dtype=x_dtype)  # x's layout, seen as (G, c, H)
+            _input_grad_into(out, dl, w, g, backend)
+            grads.input = group_major_view(out, self.group_major)
+        if needs[1]:
+            x_g = scale_into(x_c, g[:, None, None], x_c.dtype, backend, out=torch.empty_like(x_c))
+            grads.weight = torch.empty(w.shape, dtype=w_dtype, device=w.device)
+            bmm_into(grads.weight, dl.transpose(1, 2), x_g, accumulate=False)
+        if needs[2]:
+            grads.bias = scale_into(dl.sum(1, dtype=math_dtype(dl.dtype)), g[:, None], b_dtype, backend)
+        return grads
 
 
 # The float32 product behind a chunk's grad_input is made in pieces of rows of at most this size: a single
