@@ -124,7 +124,7 @@ def test_half_precision(device, dtype):
 def test_input_gradient_in_pieces(backend, device, monkeypatch, group_major, chunk_size):
     """A chunk's bf16 grad_input comes from float32 products of a few rows at a time (the pieces of a
     batch-major chunk keep its layout; a group-major one's are copied out)."""
-    monkeypatch.setattr(grouped_loss, "PRODUCT_BYTES", 5 * 3 * 16 * 4)  # 5 rows of 3 heads x 16
+    monkeypatch.setattr(flce.function, "PRODUCT_BYTES", 5 * 3 * 16 * 4)  # 5 rows of 3 heads x 16
     check(backend, device, dtype=torch.bfloat16, B=23, G=3, hidden=16, vocab=40, group_major=group_major,
           chunk_size=chunk_size, bias=True, ignore=0.2)
 

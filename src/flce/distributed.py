@@ -287,10 +287,11 @@ def _chunk_loop(
 
     buffer = torch.empty(plan.rows, weight.shape[0], dtype=setup.compute_dtype, device=dev)
     ce_scale, residual = grad_scale, None
-    if grad and grad_scale.dim() == 0 and setup.compute_dtype.itemsize == 2:
-        # as the one-device loop: see ``function.split_scale``
+    if grad and setup.compute_dtype.itemsize == 2 and (grad_scale.dim() == 0 or not need_b):
+        # as the one-device loop (``function.split_scale``); a per-row grad_output (reduction="none") per row
         ce_scale, residual = split_scale(grad_scale, setup.opts.temperature)
-    wide_weight = grads.weight is None or grads.weight.dtype.itemsize > 2
+    per_row = residual is not None and residual.dim() == 1
+    x_takes_residual = per_row or not (grads.weight is None or grads.weight.dtype.itemsize > 2)
     summing = None  # the grad_input all-reduce, in flight behind the last grad_weight GEMM
     for i, (start, end) in enumerate(plan.bounds()):
         chunk = slice(start, end)
@@ -305,19 +306,20 @@ def _chunk_loop(
             continue
         scale = ce_scale[chunk] if ce_scale.dim() == 1 else ce_scale.expand(end - start)
         _write_grad(logits, rows, classes, setup, parts.lse[chunk], scale, chunk)
+        rows_residual = residual[chunk, None] if per_row else residual
         if need_x:
             mm_into(grads.input[chunk], logits, w, accumulate=False)
             if residual is not None:  # float32: scaled before the sum, rounded once in backward
-                grads.input[chunk] *= residual
+                grads.input[chunk] *= rows_residual
             if end == n:  # each rank holds dlogits @ W_shard for every row: the gradient is their sum
                 summing = dist.all_reduce(grads.input, group=setup.group, async_op=True)
         if need_w:
-            if residual is not None and not wide_weight:  # a 16-bit weight gradient: x_c takes the residual
-                x_c = scale_into(x_c, residual, x_c.dtype, setup.backend, out=torch.empty_like(x_c))
+            if residual is not None and x_takes_residual:  # per row, or a 16-bit weight gradient
+                x_c = scale_into(x_c, rows_residual, x_c.dtype, setup.backend, out=torch.empty_like(x_c))
             mm_into(grads.weight, logits.t(), x_c, accumulate=i > 0)
         if need_b:
             column_sums_into(grads.bias, logits, accumulate=True)
-    settle_residual(grads, residual)
+    settle_residual(grads, None if per_row else residual)
     if summing is not None:
         summing.wait()
     return parts, grads

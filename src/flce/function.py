@@ -118,16 +118,21 @@ class LoopMemory(NamedTuple):
     bias_sum: torch.Tensor | None = None
 
 
-def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool, backend: str = "torch") -> None:
+def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool, backend: str = "torch",
+                   row_scale: torch.Tensor | None = None, single: bool = False) -> None:
     """grad_input[rows] = dl @ w (times ``grads.scale``, if any, before its one rounding); grad_weight (+)=
     dl^T @ x_c; grad_bias += dl summed over rows (of the gradients' first rows only, where they have fewer
-    than V: ``LoopMemory``)."""
+    than V: ``LoopMemory``). ``row_scale`` (c,): per-row factors not in dl (no bias then), applied to
+    grad_input's float32 product and to x_c, the weight GEMM's operand. ``single``: a single chunk's rows."""
     if grads.input is not None:
-        if grads.scale is None:
+        scale = grads.scale if row_scale is None else row_scale
+        if scale is None:
             mm_into(_take(grads.input, rows), dl, w, accumulate=False)
         else:
-            scaled_product_into(_take(grads.input, rows), dl, w, grads.scale, backend)
+            scaled_product_into(_take(grads.input, rows), dl, w, scale, backend, pieces=single)
     if grads.weight is not None:
+        if row_scale is not None:
+            x_c = scale_into(x_c, row_scale[:, None], x_c.dtype, backend, out=torch.empty_like(x_c))
         mm_into(grads.weight, first_cols(dl, grads.weight.shape[0]).t(), x_c, accumulate=accumulate)
     if grads.bias is not None:
         column_sums_into(grads.bias, first_cols(dl, grads.bias.shape[0]), accumulate=True)
@@ -201,11 +206,14 @@ def chunk_loop(
     # may store exp(logits) where the plan budgets the product.
     exp_input = plan.input_product_cols > 0 and (need_x or need_w) and (
         memory is not None or not (need_w or need_b)) and _hopper_gemms(backend, dev)
-    ce_scale, pending_scale = grad_scale, grad_scale
+    ce_scale, pending_scale, row_residual = grad_scale, grad_scale, None
     if defer and counts is None:  # unscaled dlogits: backward applies the scale with grad_output
         ce_scale, pending_scale = unit_dlogits(grad_scale, opts.temperature)
     elif grads is not None and not row_scale and not exp_input and _splits_scale(compute_dtype, grads):
         ce_scale, grads.scale = split_scale(grad_scale, opts.temperature)
+    elif grads is not None and row_scale and grads.bias is None and compute_dtype.itemsize == 2:
+        # reduction="none": a per-row grad_output (a masked mean's 1 / count on every row) splits per row
+        ce_scale, row_residual = split_scale(grad_scale, opts.temperature)
     misses = None
     for i, (start, end) in enumerate(plan.bounds()):
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
@@ -229,10 +237,11 @@ def chunk_loop(
         logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend)
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
                  _take(parts.correct, rows), class_weight, weight_sum,
-                 _take(grad_scale, rows) if row_scale else ce_scale, opts, counts, parts.total, tile_stats)
+                 _take(ce_scale, rows) if row_scale else ce_scale, opts, counts, parts.total, tile_stats)
         if defer:
             return parts, PendingGrads(dlogits=logits, x=x_c, w=w, scale=pending_scale)
-        gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0, backend=backend)
+        gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0, backend=backend,
+                       row_scale=_take(row_residual, rows), single=plan.num_chunks == 1)
     if misses is not None:
         grads.window = exp_logits.WindowCheck(misses)
     return parts, grads
@@ -247,20 +256,37 @@ def _hopper_gemms(backend: str, device: torch.device) -> bool:
     return logits_triton.hopper(device)
 
 
+# A single chunk's float32 product behind a scaled grad_input is made in pieces of rows of at most this size
+# (it holds every row: 128 MiB at 8192 x 4096, +129 MiB on the peak in one piece). The chunk plan sizes
+# other chunks with room for theirs (one piece: two cost +0.75% at 16384 x 4096 x 128256 on an H200).
+PRODUCT_BYTES = 64 << 20
+
+
 def scaled_product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
-                        backend: str) -> torch.Tensor:
-    """out = (a @ b) * scale, from a float32 product rounded once into out's dtype. 2-D operands with a
-    0-d scale, or batched (G, m, k) @ (G, k, n) with a (G,) scale, one per product (out may be strided)."""
+                        backend: str, pieces: bool = False) -> torch.Tensor:
+    """out = (a @ b) * scale, from float32 products rounded once into out's dtype (``pieces``: at most
+    ``PRODUCT_BYTES`` at a time). 2-D operands with a 0-d scale or one per row (m,), or batched
+    (G, m, k) @ (G, k, n) with a (G,) scale, one per product (out may be strided)."""
+    rows, cols = out.shape[-2:]
+    row_bytes = max(1, out[..., :1, :1].numel() * cols * 4)
+    piece = max(1, min(rows, PRODUCT_BYTES // row_bytes) if pieces else rows)
+    for k in range(0, rows, piece):
+        part = slice(k, k + piece)
+        if a.dim() == 3:
+            _scaled_piece(out[:, part], a[:, part], b, scale[:, None, None], backend)
+        else:
+            _scaled_piece(out[part], a[part], b, scale if scale.dim() == 0 else scale[part, None], backend)
+    return out
+
+
+def _scaled_piece(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, backend: str) -> None:
     wide = math_dtype(a.dtype)
     product = out if out.dtype == wide else torch.empty_like(out, dtype=wide)  # a dense out's layout
-    if a.dim() == 3:
-        bmm_into(product, a, b, accumulate=False)
-        scale = scale[:, None, None]
-    else:
-        mm_into(product, a, b, accumulate=False)
+    (bmm_into if a.dim() == 3 else mm_into)(product, a, b, accumulate=False)
     if product.stride() == out.stride():
-        return scale_into(product, scale, out.dtype, backend, out=out)
-    return out.copy_(scale_into(product, scale, wide, backend))  # out is a strided piece: one cast copy
+        scale_into(product, scale, out.dtype, backend, out=out)
+    else:  # out is a strided piece: scaled in place, then one cast copy
+        out.copy_(scale_into(product, scale, wide, backend))
 
 
 def _splits_scale(compute_dtype: torch.dtype, grads: ChunkGrads) -> bool:
@@ -353,7 +379,8 @@ def finish_pending(p: PendingGrads, x_c: torch.Tensor, w: torch.Tensor, g: torch
     acc = math_dtype(dl.dtype)
     grads = ChunkGrads(None, None, None)
     if needs[0]:
-        grads.input = scaled_product_into(torch.empty(x_c.shape, dtype=x_dtype, device=dl.device), dl, w, g, backend)
+        grads.input = scaled_product_into(torch.empty(x_c.shape, dtype=x_dtype, device=dl.device), dl, w, g, backend,
+                                          pieces=True)
     if needs[1]:
         grads.weight = mm_new(dl.t(), scale_into(x_c, g, x_c.dtype, backend, out=torch.empty_like(x_c)), w_dtype)
     if needs[2]:

@@ -275,7 +275,8 @@ def grouped_chunk_loop(
             # x itself, not a view made here: an in-place change of it then raises autograd's usual error
             return parts, PendingGroupedGrads(logits, x.to(compute_dtype), w, pending_scale, plan.group_major)
         if need_x and residual is not None:
-            _input_grad_into(gm(grads.input)[:, start:end], logits, w, residual, backend)
+            scaled_product_into(gm(grads.input)[:, start:end], logits, w, residual, backend,
+                                pieces=plan.num_chunks == 1)
         elif need_x:
             bmm_into(gm(grads.input)[:, start:end], logits, w, accumulate=False)
         if need_w:
@@ -308,7 +309,7 @@ class PendingGroupedGrads(PendingGrads):
         grads = ChunkGrads(None, None, None)
         if needs[0]:
             out = torch.empty_like(x_c, dtype=x_dtype)  # x's layout, seen as (G, c, H)
-            _input_grad_into(out, dl, w, g, backend)
+            scaled_product_into(out, dl, w, g, backend, pieces=True)
             grads.input = group_major_view(out, self.group_major)
         if needs[1]:
             x_g = scale_into(x_c, g[:, None, None], x_c.dtype, backend, out=torch.empty_like(x_c))
@@ -317,21 +318,6 @@ class PendingGroupedGrads(PendingGrads):
         if needs[2]:
             grads.bias = scale_into(dl.sum(1, dtype=math_dtype(dl.dtype)), g[:, None], b_dtype, backend)
         return grads
-
-
-# The float32 product behind a chunk's grad_input is made in pieces of rows of at most this size: a single
-# chunk holds every row (256 MiB at 8192 positions x 2 heads x 4096 in one piece).
-PRODUCT_BYTES = 64 << 20
-
-
-def _input_grad_into(out: torch.Tensor, dlogits: torch.Tensor, w: torch.Tensor, residual: torch.Tensor,
-                     backend: str) -> None:
-    """out (G, c, H) = dlogits (G, c, V) @ w (G, V, H) times residual (G,), one head's each, rounded once
-    from float32 products of at most ``PRODUCT_BYTES``."""
-    groups, rows, hidden = out.shape
-    piece = max(1, min(rows, PRODUCT_BYTES // (groups * hidden * 4)))
-    for k in range(0, rows, piece):
-        scaled_product_into(out[:, k:k + piece], dlogits[:, k:k + piece], w, residual, backend)
 
 
 def _check_grouped(input, linear_weight, target, bias, class_weight, group_major: bool) -> None:
