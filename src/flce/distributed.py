@@ -19,12 +19,11 @@ import torch.distributed as dist
 
 from .checks import check_and_compact, check_class_weight, check_tensors, compute_dtype, flat_targets
 from .function import (ChunkGrads, LossParts, finish_forward, not_twice_differentiable, release, scale_grads,
-                       settle_residual, split_scale, take_grads)
+                       scaled_operand, settle_residual, split_scale, take_grads)
 from .gemm import column_sums_into, mm_into
 from .import_hooks import compile_disabled
 from .kernels import math_dtype, resolve_backend
 from .kernels.ce_vocab_parallel import ROW_MAX, STATS, SUM_EXP, SUM_LOGITS, TARGET_LOGIT, shard_grad, shard_stats
-from .kernels.scale import scale_into
 from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
 from .planner import ChunkPlan, plan_chunks, weight_grad_hidden
@@ -315,7 +314,7 @@ def _chunk_loop(
                 summing = dist.all_reduce(grads.input, group=setup.group, async_op=True)
         if need_w:
             if residual is not None and x_takes_residual:  # per row, or a 16-bit weight gradient
-                x_c = scale_into(x_c, rows_residual, x_c.dtype, setup.backend, out=torch.empty_like(x_c))
+                x_c = scaled_operand(x_c, rows_residual, setup.backend)
             mm_into(grads.weight, logits.t(), x_c, accumulate=i > 0)
         if need_b:
             column_sums_into(grads.bias, logits, accumulate=True)

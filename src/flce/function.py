@@ -132,7 +132,7 @@ def gradient_gemms(dl, x_c, w, grads: ChunkGrads, rows: slice, accumulate: bool,
             scaled_product_into(_take(grads.input, rows), dl, w, scale, backend, pieces=single)
     if grads.weight is not None:
         if row_scale is not None:
-            x_c = scale_into(x_c, row_scale[:, None], x_c.dtype, backend, out=torch.empty_like(x_c))
+            x_c = scaled_operand(x_c, row_scale[:, None], backend)
         mm_into(grads.weight, first_cols(dl, grads.weight.shape[0]).t(), x_c, accumulate=accumulate)
     if grads.bias is not None:
         column_sums_into(grads.bias, first_cols(dl, grads.bias.shape[0]), accumulate=True)
@@ -267,9 +267,8 @@ def scaled_product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sca
     """out = (a @ b) * scale, from float32 products rounded once into out's dtype (``pieces``: at most
     ``PRODUCT_BYTES`` at a time). 2-D operands with a 0-d scale or one per row (m,), or batched
     (G, m, k) @ (G, k, n) with a (G,) scale, one per product (out may be strided)."""
-    rows, cols = out.shape[-2:]
-    row_bytes = max(1, out[..., :1, :1].numel() * cols * 4)
-    piece = max(1, min(rows, PRODUCT_BYTES // row_bytes) if pieces else rows)
+    rows = out.shape[-2]
+    piece = max(1, min(rows, PRODUCT_BYTES // max(1, out[..., :1, :].numel() * 4)) if pieces else rows)
     for k in range(0, rows, piece):
         part = slice(k, k + piece)
         if a.dim() == 3:
@@ -277,6 +276,12 @@ def scaled_product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sca
         else:
             _scaled_piece(out[part], a[part], b, scale if scale.dim() == 0 else scale[part, None], backend)
     return out
+
+
+def scaled_operand(x_c: torch.Tensor, scale: torch.Tensor, backend: str) -> torch.Tensor:
+    """x_c * scale (0-d, or broadcast along one dim) as a new tensor in x_c's dtype and layout, rounded once:
+    the small operand of a weight GEMM, where a scale that the 16-bit dlogits leave out meets it."""
+    return scale_into(x_c, scale, x_c.dtype, backend, out=torch.empty_like(x_c))
 
 
 def _scaled_piece(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, backend: str) -> None:
@@ -382,7 +387,7 @@ def finish_pending(p: PendingGrads, x_c: torch.Tensor, w: torch.Tensor, g: torch
         grads.input = scaled_product_into(torch.empty(x_c.shape, dtype=x_dtype, device=dl.device), dl, w, g, backend,
                                           pieces=True)
     if needs[1]:
-        grads.weight = mm_new(dl.t(), scale_into(x_c, g, x_c.dtype, backend, out=torch.empty_like(x_c)), w_dtype)
+        grads.weight = mm_new(dl.t(), scaled_operand(x_c, g, backend), w_dtype)
     if needs[2]:
         b = column_sums_into(torch.empty(dl.shape[1], dtype=acc, device=dl.device), dl, accumulate=False)
         grads.bias = scale_into(b, g, b_dtype, backend)

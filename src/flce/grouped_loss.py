@@ -31,7 +31,7 @@ import torch
 
 from .checks import check_tensors, compute_dtype, flat_targets, raise_bad_targets
 from .function import (ChunkGrads, LinearCrossEntropyFunction, LoopSpec, LossParts, PendingGrads,
-                       scaled_product_into, settle_residual, split_scale, unit_dlogits)
+                       scaled_operand, scaled_product_into, settle_residual, split_scale, unit_dlogits)
 from .gemm import bmm_into
 from .grouped import check_group_bias, group_major_view
 from .import_hooks import compile_disabled
@@ -281,7 +281,7 @@ def grouped_chunk_loop(
             bmm_into(gm(grads.input)[:, start:end], logits, w, accumulate=False)
         if need_w:
             if residual is not None and not wide_weight:
-                x_c = scale_into(x_c, residual[:, None, None], compute_dtype, backend, out=torch.empty_like(x_c))
+                x_c = scaled_operand(x_c, residual[:, None, None], backend)
             bmm_into(grads.weight, logits.transpose(1, 2), x_c, accumulate=i > 0)
         if need_b:
             grads.bias += logits.sum(1, dtype=acc)
@@ -312,7 +312,7 @@ class PendingGroupedGrads(PendingGrads):
             scaled_product_into(out, dl, w, g, backend, pieces=True)
             grads.input = group_major_view(out, self.group_major)
         if needs[1]:
-            x_g = scale_into(x_c, g[:, None, None], x_c.dtype, backend, out=torch.empty_like(x_c))
+            x_g = scaled_operand(x_c, g[:, None, None], backend)
             grads.weight = torch.empty(w.shape, dtype=w_dtype, device=w.device)
             bmm_into(grads.weight, dl.transpose(1, 2), x_g, accumulate=False)
         if needs[2]:
