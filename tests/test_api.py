@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import TOL, assert_close, reference_loss, rel_err
+from reference import TOL, assert_close, count_172_case, reference_loss, rel_err
 
 import flce
 
@@ -100,19 +100,6 @@ def test_single_chunk_grad_input_rounds_once_whatever_grad_output(backend, devic
     assert rel_err(grads[1], exact[1]) <= 1.5 * rounding[1]
 
 
-def _count_172_case(backend, device):
-    """bf16 x (200, 64), w (8192, 64), targets, and which 172 of the rows count (1 / 172 lies near a bf16
-    rounding tie). Skips the interpreter, whose 16-bit casts truncate where CUDA rounds."""
-    if backend == "triton" and device.type == "cpu":
-        pytest.skip("the interpreter truncates 16-bit casts where CUDA rounds: covered on a GPU")
-    n, vocab, hidden = 200, 8192, 64
-    x = torch.randn(n, hidden, device=device).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(vocab, hidden, device=device) * hidden**-0.5 * 0.5).to(torch.bfloat16).requires_grad_()
-    kept = torch.ones(n, dtype=torch.bool, device=device)
-    kept[torch.randperm(n, device=device)[:28]] = False
-    return x, w, torch.randint(0, vocab, (n,), device=device), kept
-
-
 @pytest.mark.parametrize("chunk_size", [None, 64])
 @pytest.mark.parametrize("mean", ["count", "num_items"])
 @pytest.mark.parametrize("g", [1.0, 1 / 3])
@@ -124,7 +111,7 @@ def test_mean_scale_stays_out_of_the_rounded_dlogits(backend, device, chunk_size
     x_c's rounding: 1.3x here); several chunks take only the scale's power of two, the rest meeting
     float32. grad_output 1/3 still rounds grad_input twice there: it is stored in forward. 1 / temperature
     joins the scale (folded into the dlogits it read 1.14x at 0.7 with a single chunk or several)."""
-    x, w, t, kept = _count_172_case(backend, device)
+    x, w, t, kept = count_172_case(backend, device)
     t[~kept] = -100
     items = {"num_items_in_batch": 172} if mean == "num_items" else {}
     loss = flce.linear_cross_entropy(x, w, t, backend=backend, chunk_size=chunk_size, temperature=temperature,
@@ -144,7 +131,7 @@ def test_masked_mean_over_rows_stays_out_of_the_rounded_dlogits(backend, device,
     """reduction="none" then a masked mean, (rows * mask).sum() / mask.sum(): every kept row's grad_output is
     1 / 172. Folded into the 16-bit dlogits it read 1.84x the bf16 rounding in both gradients (eager 1.84x);
     split per row, the residual meets grad_input's float32 product (1.0x) and x_c (1.3x)."""
-    x, w, t, kept = _count_172_case(backend, device)
+    x, w, t, kept = count_172_case(backend, device)
     mask = kept.float()
     rows = flce.linear_cross_entropy(x, w, t, backend=backend, chunk_size=chunk_size, reduction="none")
     grads = torch.autograd.grad((rows * mask).sum() / mask.sum(), (x, w))

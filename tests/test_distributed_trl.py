@@ -21,10 +21,9 @@ import flce  # noqa: E402
 from flce.patches import trl as flce_trl  # noqa: E402
 
 BATCH = 2  # per rank; the one-process run takes world x BATCH rows a step, the same rows
-# SGD without clipping (a gradient off by a constant factor moves the weights by that factor; Adam and
-# clipping would hide it), float32 throughout (SFTConfig's default bf16 would be autocast in one process
-# and bf16 parameters under FSDP2).
-SFT_ARGS = dict(optim="sgd", max_grad_norm=0.0, bf16=False, tf32=False)
+# test_patches_trl's SGD without clipping, float32 throughout (SFTConfig's default bf16 would be autocast in one
+# process and bf16 parameters under FSDP2).
+SFT_ARGS = dict(bf16=False, tf32=False)
 LOSS_TOL, UPDATE_TOL = 1e-5, 1e-4  # float32; TRL's kernel and flce's round differently
 
 

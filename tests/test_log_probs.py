@@ -3,7 +3,7 @@ log_probs and entropy for random per-token grad_outputs, options, odd shapes, dt
 
 import pytest
 import torch
-from reference import TOL, assert_close, reference_logits, rel_err
+from reference import TOL, assert_close, count_172_case, reference_logits, rel_err
 
 import flce
 from conftest import DEVICE, HOPPER_DTYPE
@@ -446,6 +446,51 @@ def bf16_matches_float64(device, bt, hidden, vocab, opts, backend="auto"):
         if grad is not None:
             err, unfused_err, floor = rel_err(grad, ref), rel_err(unfused, ref), rel_err(ref.to(torch.bfloat16), ref)
             assert err <= 1.1 * unfused_err + 0.1 * floor, f"{name}: {err:.3g}, unfused {unfused_err:.3g}"
+
+
+@pytest.mark.parametrize("chunk_size", [None, 64])
+@pytest.mark.parametrize("case", ["masked mean", "entropy bonus", "temperature", "guessed in forward"])
+def test_masked_mean_stays_out_of_the_rounded_dlogits(backend, device, monkeypatch, chunk_size, case):
+    """-(log_probs * mask).sum() / mask.sum(), an SFT or GRPO token mean: every kept row's grad_output is
+    -1 / 172. Folded into the 16-bit dlogits it read 1.84x the bf16 rounding in both gradients (eager and
+    TRL's own kernel likewise); split per row, the residual meets grad_input's float32 product (1.0x) and
+    x_c (1.3x). An entropy term's grad_output is divided by the same residual; 1 / temperature joins it.
+    A forward that guesses a uniform grad_output (the second such call) computes both gradients for a
+    grad_output of 1 and backward scales them: grad_input is kept in float32 until then (stored in bf16 it
+    was rounded twice: 1.40x); a single chunk's bf16 grad_weight still is (1.3x)."""
+    monkeypatch.setattr(log_probs._Speculation, "_kinds", {})
+    guesses = []
+    predicts = log_probs._Speculation.predicts_uniform
+    monkeypatch.setattr(log_probs._Speculation, "predicts_uniform", lambda self: guesses.append(predicts(self))
+                        or guesses[-1])
+    x, w, t, kept = count_172_case(backend, device)
+    t[~kept] = -100
+    temperature = 0.7 if case == "temperature" else 1.0
+    g_lp = kept.double() / -172
+    g_ent = kept.double() * 0.05 / 172 if case == "entropy bonus" else torch.zeros_like(g_lp)
+    guess = case == "guessed in forward"
+    scaled = []  # the residual's scaled copies of x_c, per forward (a guess's grad_output of 1 needs none)
+    scaled_operand = flce.function.scaled_operand
+    monkeypatch.setattr(flce.function, "scaled_operand", lambda *a: scaled.append(1) or scaled_operand(*a))
+    for _ in range(2 if guess else 1):  # after a uniform backward the next forward guesses
+        scaled.clear()
+        got = flce.linear_log_probs(x, w, t, backend=backend, chunk_size=chunk_size, temperature=temperature,
+                                    outputs=("log_probs", "entropy") if case == "entropy bonus" else ("log_probs",),
+                                    validate_target=guess)  # False: no guess, backward recomputes
+        assert not scaled
+        loss = (got.log_probs * g_lp.float()).sum()
+        if got.entropy is not None:
+            loss = loss + (got.entropy * g_ent.float()).sum()
+        grads = torch.autograd.grad(loss, (x, w))
+    assert guesses == ([False, True] if guess else [])
+    assert bool(scaled) != guess  # backward splits what it recomputes
+    z = (x @ w.t()).double().requires_grad_()  # the 16-bit logits both compute from
+    ref = stats_of_logits(z / temperature, t)
+    (dz,) = torch.autograd.grad((ref.log_probs * g_lp + ref.entropy * g_ent).sum(), z)
+    exact = [dz @ w.double(), dz.t() @ x.double()]  # grad_input, grad_weight
+    rounding = [rel_err(e.to(torch.bfloat16), e) for e in exact]
+    assert rel_err(grads[0], exact[0]) <= 1.05 * rounding[0]
+    assert rel_err(grads[1], exact[1]) <= (1.05 if guess and chunk_size else 1.5) * rounding[1]
 
 
 def test_bf16_matches_float64_small(backend):

@@ -3,11 +3,12 @@
 and the float32 output followed by the scale-and-cast (torch's multiply here; flce streams it through
 ``kernels.scale``). Median of CUDA-event timings over interleaved rounds, ms. GPU only:
 
-    python benchmark/probes/gemm_out_dtype_probe.py
+    python benchmark/probes/gemm_out_dtype_probe.py [MxKxN,...]   # default: SHAPES
 """
 from __future__ import annotations
 
 import statistics
+import sys
 
 import torch
 
@@ -29,9 +30,9 @@ def timed(fn, reps: int = 25) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(shapes: list[tuple[int, int, int]]) -> None:
     print(torch.cuda.get_device_name())
-    for m, k, n in SHAPES:
+    for m, k, n in shapes:
         a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
         out16, out32 = torch.empty(m, n, device="cuda", dtype=torch.bfloat16), torch.empty(m, n, device="cuda")
@@ -49,4 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main([tuple(int(d) for d in s.split("x")) for s in sys.argv[1].split(",")] if len(sys.argv) > 1 else SHAPES)

@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 from . import loss_only
 from .checks import check_tensors, compute_dtype, raise_bad_targets
 from .distributed import is_dtensor
-from .function import ChunkGrads, gradient_gemms, scale_grads
+from .function import ChunkGrads, gradient_gemms, scale_grads, split_scale
 from .import_hooks import compile_disabled
 from .kernels import resolve_backend
 from .kernels import token_stats as kernels
@@ -161,7 +161,9 @@ class LinearLogProbsFunction(torch.autograd.Function):
         ctx.guess = _Speculation.of(x, weight, spec) if spec.speculate and any(needs) and n and vocab else None
         if ctx.guess is not None and ctx.guess.predicts_uniform():
             unit = RowGrad(stats.lse, None, torch.ones(n, dtype=torch.float32, device=x.device), None)
-            ctx.unit_grads = chunk_loop(x, weight, bias, target, spec, stats, unit, needs)
+            # grad_input kept in float32 until backward's grad_output: one rounding, not two (n x H x 4 bytes)
+            ctx.unit_grads = chunk_loop(x, weight, bias, target, spec, stats, unit, needs, unit=True,
+                                        input_dtype=torch.promote_types(x.dtype, torch.float32))
             ctx.guess.hold(ctx.unit_grads)
         else:
             ctx.unit_grads = None
@@ -223,18 +225,20 @@ class RowGrad(NamedTuple):
 
 def chunk_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                spec: LogProbsSpec, stats: RowStats | None, grad: RowGrad | None = None,
-               needs: tuple[bool, bool, bool] = (False, False, False)) -> ChunkGrads | None:
+               needs: tuple[bool, bool, bool] = (False, False, False), unit: bool = False,
+               input_dtype: torch.dtype | None = None) -> ChunkGrads | None:
     """Every chunk's logits x_c @ W^T (+ b), then: the statistics kernel writes ``stats`` (if given) in one
     read; with ``grad``, the gradient kernel overwrites the logits with d(sum_rows g_lp * log_probs +
-    g_ent * entropy) / d logits, and grad_input rows = dlogits @ W, grad_weight += dlogits^T @ x_c (for
-    ``needs`` = input, weight, bias). Returns the gradients (None without ``grad``)."""
+    g_ent * entropy) / d logits, and grad_input rows = dlogits @ W (in ``input_dtype``, default x's),
+    grad_weight += dlogits^T @ x_c (for ``needs`` = input, weight, bias). ``unit``: grad's grad_outputs
+    are all 1 (nothing to split). Returns the gradients (None without ``grad``)."""
     n, hidden = x.shape
     vocab = weight.shape[0]
     dev = x.device
     plan = plan_chunks(n, vocab, spec.compute_dtype, weight.dtype, chunk_size=spec.chunk_size,
                        weight_grad_hidden=hidden if grad is not None and needs[1] else 0)
     grads = None if grad is None else ChunkGrads(
-        input=torch.empty_like(x, memory_format=torch.contiguous_format) if needs[0] else None,
+        input=torch.empty(x.shape, dtype=input_dtype or x.dtype, device=dev) if needs[0] else None,
         weight=torch.empty(vocab, hidden, dtype=plan.accum_dtype, device=dev) if needs[1] else None,
         bias=torch.zeros(vocab, dtype=torch.float32, device=dev) if needs[2] else None)
     if vocab == 0 or n == 0:  # no logits: the statistics are fixed and nothing depends on the inputs
@@ -246,6 +250,7 @@ def chunk_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return grads
     w = _in_dtype(weight, spec.compute_dtype)
     buffer = torch.empty(plan.rows, vocab, dtype=spec.compute_dtype, device=dev) if plan.num_chunks > 1 else None
+    grad, residual = (grad, None) if unit else _split_rows(grad, grads, spec)
     for i, (start, end) in enumerate(plan.bounds()):
         rows = slice(start, end)
         x_c = _in_dtype(x[rows], spec.compute_dtype)
@@ -255,8 +260,25 @@ def chunk_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         if grad is not None:
             kernels.row_grad(spec.backend, logits, target[rows], *(None if t is None else t[rows] for t in grad),
                              spec.tf)
-            gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0)
+            gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0, backend=spec.backend,
+                           row_scale=None if residual is None else residual[rows], single=plan.num_chunks == 1)
     return grads
+
+
+def _split_rows(grad: RowGrad | None, grads: ChunkGrads | None,
+                spec: LogProbsSpec) -> tuple[RowGrad | None, torch.Tensor | None]:
+    """(the kernel's RowGrad, per-row residual or None). A masked mean of log-probs gives every row of a
+    sequence the same 1 / count: folded into 16-bit dlogits it would put that factor's rounding on every
+    target entry (1.8x the bf16 rounding in both gradients; the loss's ``function.split_scale``). The
+    kernel takes each row's power of two (the entropy's grad_output divided to match), and the residual
+    meets grad_input's float32 product and the weight GEMM's operand x_c. Not with a bias gradient (its sums
+    would need the residual) nor 32-bit GEMMs (nothing to gain)."""
+    if (grad is None or grad.grad_log_probs is None or grads.bias is not None
+            or spec.compute_dtype.itemsize != 2):
+        return grad, None
+    power, residual = split_scale(grad.grad_log_probs, 1.0 / spec.tf.inv_temp)
+    g_ent = None if grad.grad_entropy is None else grad.grad_entropy / residual
+    return grad._replace(grad_log_probs=power, grad_entropy=g_ent), residual
 
 
 class _Speculation:
