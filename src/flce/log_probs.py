@@ -161,9 +161,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
         ctx.guess = _Speculation.of(x, weight, spec) if spec.speculate and any(needs) and n and vocab else None
         if ctx.guess is not None and ctx.guess.predicts_uniform():
             unit = RowGrad(stats.lse, None, torch.ones(n, dtype=torch.float32, device=x.device), None)
-            # grad_input kept in float32 until backward's grad_output: one rounding, not two (n x H x 4 bytes)
-            ctx.unit_grads = chunk_loop(x, weight, bias, target, spec, stats, unit, needs, unit=True,
-                                        input_dtype=torch.promote_types(x.dtype, torch.float32))
+            ctx.unit_grads = chunk_loop(x, weight, bias, target, spec, stats, unit, needs, unit=True)
             ctx.guess.hold(ctx.unit_grads)
         else:
             ctx.unit_grads = None
@@ -225,20 +223,21 @@ class RowGrad(NamedTuple):
 
 def chunk_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                spec: LogProbsSpec, stats: RowStats | None, grad: RowGrad | None = None,
-               needs: tuple[bool, bool, bool] = (False, False, False), unit: bool = False,
-               input_dtype: torch.dtype | None = None) -> ChunkGrads | None:
+               needs: tuple[bool, bool, bool] = (False, False, False), unit: bool = False) -> ChunkGrads | None:
     """Every chunk's logits x_c @ W^T (+ b), then: the statistics kernel writes ``stats`` (if given) in one
     read; with ``grad``, the gradient kernel overwrites the logits with d(sum_rows g_lp * log_probs +
-    g_ent * entropy) / d logits, and grad_input rows = dlogits @ W (in ``input_dtype``, default x's),
-    grad_weight += dlogits^T @ x_c (for ``needs`` = input, weight, bias). ``unit``: grad's grad_outputs
-    are all 1 (nothing to split). Returns the gradients (None without ``grad``)."""
+    g_ent * entropy) / d logits, and grad_input rows = dlogits @ W, grad_weight += dlogits^T @ x_c (for
+    ``needs`` = input, weight, bias). ``unit``: grad's grad_outputs are all 1 and backward scales the
+    gradients, so nothing is split and grad_input stays in float32 until then (one rounding, not two:
+    n x H x 4 bytes). Returns the gradients (None without ``grad``)."""
     n, hidden = x.shape
     vocab = weight.shape[0]
     dev = x.device
     plan = plan_chunks(n, vocab, spec.compute_dtype, weight.dtype, chunk_size=spec.chunk_size,
                        weight_grad_hidden=hidden if grad is not None and needs[1] else 0)
     grads = None if grad is None else ChunkGrads(
-        input=torch.empty(x.shape, dtype=input_dtype or x.dtype, device=dev) if needs[0] else None,
+        input=torch.empty(x.shape, dtype=torch.promote_types(x.dtype, torch.float32) if unit else x.dtype,
+                          device=dev) if needs[0] else None,
         weight=torch.empty(vocab, hidden, dtype=plan.accum_dtype, device=dev) if needs[1] else None,
         bias=torch.zeros(vocab, dtype=torch.float32, device=dev) if needs[2] else None)
     if vocab == 0 or n == 0:  # no logits: the statistics are fixed and nothing depends on the inputs
