@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 # NVLink multicast stays off on the lent machines (set before NCCL initializes).
@@ -98,7 +99,7 @@ def main() -> None:
 
     dist.init_process_group("gloo" if SMOKE else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    trl_one_process = OneProcessRun(device, world)  # runs meanwhile
+    trl_one_process = OneProcessRun(device, world) if rank == 0 else None  # runs meanwhile
     loss_rows, time_rows = [], []
     for shape in HEADS:
         rows, timing = part(f"head {'x'.join(map(str, shape))}", head_check, rank, world, device, *shape)
@@ -110,7 +111,11 @@ def main() -> None:
     ok = report(loss_rows, train_rows, time_rows, world, device, seconds) if rank == 0 else True
     dist.barrier()
     dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    # Every result is written: skip the interpreter's teardown, where work objects that gloo's threads
+    # still hold can abort a rank as they are released (pytorch/pytorch#179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if ok else 1)
 
 
 def _device() -> torch.device:
@@ -257,7 +262,7 @@ def model_checks(rank: int, world: int, device: torch.device) -> list[dict]:
                 rank, world, wrap=wrap, family=family, dtype=torch.float32 if bf16 else torch.float64,
                 device=device, mixed_precision="bf16" if bf16 else "no", baseline=bf16, **extra))
         except Exception as exc:  # noqa: BLE001 - report it, go on with the other checks
-            rows.append({"check": name, "status": f"error: {type(exc).__name__}: {str(exc)[:120]}"})
+            rows.append(_error_row(name, exc, rank))
             continue
         rows.append(_training_row(name, res, wrap, extra.get("flce_experts", False), bf16))
     return rows
@@ -299,12 +304,16 @@ class OneProcessRun:
                                      stderr=subprocess.STDOUT)
 
     def result(self) -> dict | str:
-        """The run's losses, weight changes and kernel counts, or why there are none."""
+        """The run's losses, weight changes and kernel counts, or why there are none (its log then goes
+        to stderr)."""
         code = self.proc.wait()
         self.log.close()
-        lines = (self.dir / "log.txt").read_text().strip().splitlines()
-        result = torch.load(self.dir / "result.pt") if code == 0 else \
-            f"one process exited {code}: {lines[-1] if lines else ''}"
+        log = (self.dir / "log.txt").read_text().strip()
+        if code == 0:
+            result = torch.load(self.dir / "result.pt")
+        else:
+            print(f"dist_check: the one-process TRL run exited {code}; its log:\n{log}", file=sys.stderr)
+            result = f"one process exited {code}: {log.splitlines()[-1] if log else ''}"
         shutil.rmtree(self.dir, ignore_errors=True)
         return result
 
@@ -317,10 +326,13 @@ def one_process_trl(out_dir: Path, world: int) -> None:
     torch.save(sft.sft_run(out_dir / "trainer", device, world=world, fsdp=False), out_dir / "result.pt")
 
 
-def trl_check(rank: int, world: int, device: torch.device, one_process: OneProcessRun) -> dict:
-    """TRL's SFT run on FSDP2 with flce patched in, against the one-process run."""
+def trl_check(rank: int, world: int, device: torch.device, one_process: OneProcessRun | None) -> dict:
+    """TRL's SFT run on FSDP2 with flce patched in, against the one-process run (rank 0's, sent to all:
+    every rank takes the same path, so none waits in a collective that another skipped)."""
     name = "trl sft: fsdp2 + flce vs one process"
-    want = one_process.result()
+    sent = [one_process.result() if rank == 0 else None]
+    dist.broadcast_object_list(sent, src=0)
+    want = sent[0]
     if isinstance(want, str):
         return {"check": name, "status": f"error: {want[:160]}"}
     try:
@@ -329,7 +341,7 @@ def trl_check(rank: int, world: int, device: torch.device, one_process: OneProce
         with tempfile.TemporaryDirectory() as out_dir:
             got = sft.sft_fsdp2_case(rank, world, out_dir=out_dir, device=device)
     except (Exception, pytest.skip.Exception) as exc:  # noqa: BLE001 - report it (the other parts are done)
-        return {"check": name, "status": f"error: {type(exc).__name__}: {str(exc)[:120]}"}
+        return _error_row(name, exc, rank)
     ranks = _gather({"errs": sft.sft_errors(got, want), "kernels": got["kernels"], "sharded": got["sharded"]})
     problems = sft.sft_problems(ranks, want)
     errs = {k: max(r["errs"][k] for r in ranks) for k in ranks[0]["errs"]}
@@ -349,6 +361,13 @@ def _gather(obj):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def _error_row(check: str, exc: BaseException, rank: int) -> dict:
+    """A check's row for an exception, whose traceback goes to stderr at once: raised on one rank alone,
+    it leaves the others in a collective that this rank will not join, and the run may die there."""
+    print(f"dist_check: rank {rank}, {check}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    return {"check": check, "status": f"error: {type(exc).__name__}: {str(exc)[:120]}"}
 
 
 def _loss_row(check: str, status: str, errs, note: str, tol=None, one_device_err: float | None = None) -> dict:

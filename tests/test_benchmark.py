@@ -327,22 +327,29 @@ def test_cli_gpu_takes_both_readings(tmp_path):
         assert _finite(r["peak_mb"]) and r["peak_mb"] > 0
 
 
-def _first_traceback(log: str, lines: int = 60) -> str:
-    """The first traceback of a torchrun log (the root cause; torchrun's own summary comes last)."""
-    start = log.find("Traceback")
-    return "\n".join(log[start:].splitlines()[:lines]) if start >= 0 else log[-3000:]
+# What a dying rank prints first: a Python traceback, a C++ exception that ends in std::terminate (a gloo
+# transport thread), or faulthandler's stacks on a fatal signal.
+RANK_FAILURE_MARKS = ("Traceback", "terminate called", "Fatal Python error")
+
+
+def _rank_failure(log: str, lines: int = 80) -> str:
+    """The first failure a rank printed in a torchrun log (the root cause; torchrun's own traceback and
+    summary come last), else the log's end."""
+    starts = [i for i in (log.find(mark) for mark in RANK_FAILURE_MARKS) if i >= 0]
+    return "\n".join(log[min(starts):].splitlines()[:lines]) if starts else log[-3000:]
 
 
 def test_dist_check_smoke_on_two_cpu_ranks(tmp_path):
     """benchmark/dist_check.py --smoke (two gloo ranks through torchrun): every part runs and passes."""
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
-    env = _env_with_src(OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    # faulthandler: a rank killed by a signal prints its Python stacks.
+    env = _env_with_src(OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="", PYTHONFAULTHANDLER="1")
     # --standalone: a free rendezvous port, so parallel test workers never meet on torchrun's default.
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(ROOT / "benchmark" / "dist_check.py"), "--smoke"],
                           capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, _first_traceback(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, _rank_failure(proc.stdout + proc.stderr) + "\n...\n" + proc.stdout[-600:]
     rows = json.loads((tmp_path / "dist_check.json").read_text())["rows"]
     checks = [r["check"] for r in rows if "status" in r]
     assert all(r["status"] == "ok" for r in rows if "status" in r), [r for r in rows if r.get("status") != "ok"]
