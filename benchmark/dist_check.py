@@ -17,8 +17,9 @@ machine), results and the log under $OUT:
    shard; against float64, with the one-device function's errors next to them.
 3. A patched tiny Llama and Mixtral (router aux loss on and off, flce's experts backend and eager) trained
    3 SGD steps under accelerate's DDP and FSDP2: each step's loss and each weight's change against the
-   unpatched model trained in one process; float64 to 1e-6; bf16 mixed precision within 5e-2 or 1.5x
-   what the unpatched model under the same wrap gets (FSDP2's bf16 parameters are not autocast).
+   unpatched model trained in one process; float64 to 1e-6; bf16 mixed precision against that run in
+   float32, as close as the unpatched model under the same wrap (FSDP2's bf16 parameters are not
+   autocast): each loss within 5e-2 or 1.5x its error, all weights' changes together within 1.5x.
 4. TRL's SFTTrainer on FSDP2 with flce patched in (flce's kernels counted, TRL's never) against the same
    training in one process without flce: each step's loss and each weight's change (float32).
 
@@ -63,7 +64,7 @@ SMOKE = "--smoke" in sys.argv[1:]
 HEADS = [(96, 32, 1001), (160, 32, 1001)] if SMOKE else [(8192, 4096, 128256), (32768, 4096, 128256)]
 OPTIONS_SHAPE = {"shape": (3, 17), "hidden": 16, "vocab": 301} if SMOKE else \
     {"shape": (4, 509), "hidden": 512, "vocab": 50257}
-BF16_TOL = 5e-2  # bf16 training: loss and weight changes after 3 steps
+BF16_TOL = 5e-2  # bf16 training: the least bound on a step's loss error (3 steps)
 # (family, wrap, precision, extra): "float64", or "bf16" mixed precision over float32 weights
 MODEL_CASES = [
     ("llama", "ddp", "float64", {}),
@@ -270,19 +271,29 @@ def model_checks(rank: int, world: int, device: torch.device) -> list[dict]:
 
 def _training_row(name: str, res: list[dict], wrap: str, flce_experts: bool, bf16: bool) -> dict:
     errs = {k: max(r["errs"][k] for r in res) for k in res[0]["errs"]}
-    base = {k: max(r["baseline_errs"][k] for r in res) for k in res[0]["errs"]} if bf16 else {}
-    # bf16: as close as the unpatched model under the same wrap, or within BF16_TOL
-    allowed = {k: max(BF16_TOL, 1.5 * base[k]) if bf16 else cases.F64_TOL for k in errs}
+    params = [k for k in errs if not k.startswith("loss") and k != cases.ALL_WEIGHTS]
+    if bf16:
+        # Against the float32 run, as close as the unpatched model under the same wrap: the losses (or within
+        # BF16_TOL) and all weights' changes together. One weight's change is no verdict in bf16: a routing
+        # decision that rounds the other way moves one expert's change by 5-10% in either model.
+        base = {k: max(r["baseline_errs"][k] for r in res) for k in res[0]["errs"]}
+        allowed = {k: max(BF16_TOL, 1.5 * base[k]) for k in errs if k.startswith("loss")}
+        allowed[cases.ALL_WEIGHTS] = 1.5 * base[cases.ALL_WEIGHTS]
+        shown = cases.ALL_WEIGHTS
+        worst = max(params, key=lambda k: errs[k] / max(base[k], 1e-12))
+        note = f"worst weight: {worst} {errs[worst]:.3g} (unpatched {base[worst]:.3g})"
+    else:
+        base, allowed = {}, {k: cases.F64_TOL for k in errs}
+        shown = worst = max(params, key=errs.get)
+        note = f"worst: {worst}"
     flags = {"loss through flce": all(r["fused"] for r in res),
              "experts backend as asked": all(r["flce_experts"] == flce_experts for r in res),
              "head sharded as wrapped": all(r["sharded"] == (wrap == "fsdp2") for r in res)}
-    bad = [k for k, ok in flags.items() if not ok] + [k for k in errs if errs[k] > allowed[k]]
-    params = [k for k in errs if not k.startswith("loss")]
-    worst = max(params, key=lambda k: errs[k] / allowed[k])
+    bad = [k for k, ok in flags.items() if not ok] + [k for k in allowed if errs[k] > allowed[k]]
     return {"check": name, "status": "ok" if not bad else "FAIL",
-            "loss_err": max(errs[k] for k in errs if k.startswith("loss")), "update_err": errs[worst],
-            "baseline_err": base.get(worst), "tol": allowed[worst],
-            "note": f"worst: {worst}" + (f"; FAILED: {bad[:3]}" if bad else "")}
+            "loss_err": max(errs[k] for k in errs if k.startswith("loss")), "update_err": errs[shown],
+            "baseline_err": base.get(shown), "tol": allowed[shown],
+            "note": note + (f"; FAILED: {bad[:3]}" if bad else "")}
 
 
 # --- 4. TRL --------------------------------------------------------------------------------------------
@@ -383,7 +394,7 @@ def report(loss_rows: list[dict], train_rows: list[dict], time_rows: list[dict],
             "heads": HEADS, "options_shape": OPTIONS_SHAPE, "seconds": seconds}
     tables = [
         ("vocab-parallel loss: relative errors against float64, worst rank", loss_rows, LOSS_COLUMNS),
-        ("training under DDP/FSDP2 against one process: worst step loss, worst weight change", train_rows,
+        ("training under DDP/FSDP2 against one process: worst step loss, weight changes (bf16: all together)", train_rows,
          TRAIN_COLUMNS),
         ("step time (median of 10, forward+backward) and extra memory per rank", time_rows, TIME_COLUMNS),
     ]

@@ -705,15 +705,14 @@ def _uses_fused_loss(loss: torch.Tensor) -> bool:
     return False
 
 
-def _train_one_process(model, batches, mixed_precision: str) -> list[list[torch.Tensor]]:
-    """transformers' own loss (materialized logits), one SGD step per entry of ``batches`` on the mean of
-    the ranks' losses (what DDP and FSDP2 average); each step's losses, rank by rank."""
+def _train_one_process(model, batches) -> list[list[torch.Tensor]]:
+    """transformers' own loss (materialized logits) in the model's dtype, one SGD step per entry of
+    ``batches`` on the mean of the ranks' losses (what DDP and FSDP2 average); each step's losses, rank by
+    rank."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    device_type = next(model.parameters()).device.type
     out = []
     for step_batches in batches:
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=mixed_precision == "bf16"):
-            outputs = [model(input_ids=ids, labels=labels) for ids, labels in step_batches]
+        outputs = [model(input_ids=ids, labels=labels) for ids, labels in step_batches]
         assert all(o.logits is not None for o in outputs)  # unfused: the reference is transformers' loss
         torch.stack([o.loss for o in outputs]).mean().backward()
         optimizer.step()
@@ -730,10 +729,11 @@ def patched_training_case(rank, world, *, wrap, family="llama", tied=False, dtyp
                           mixed_precision="no", steps=3, flce_experts=False, router_logits=True, baseline=False):
     """Relative errors of a patched tiny model trained ``steps`` SGD steps under ``wrap`` ("ddp" or
     "fsdp2", through accelerate): each step's loss on this rank and each parameter's change over the run,
-    against the unpatched model trained in one process. Mixtral: eager experts unpatched, flce's
-    experts backend when ``flce_experts``; ``router_logits`` adds the router's aux loss. ``baseline``: the
-    same errors of the unpatched model under the same wrap (what the wrap alone changes, e.g. FSDP2's
-    bf16 parameters against autocast). (Also run on GPUs by benchmark/dist_check.py.)"""
+    against the unpatched model trained in one process (bf16 mixed precision: in float32, the exact run both
+    roundings are measured from). Mixtral: eager experts unpatched, flce's experts backend when
+    ``flce_experts``; ``router_logits`` adds the router's aux loss. ``baseline``: the same errors of the
+    unpatched model under the same wrap (what bf16 and the wrap alone change, e.g. FSDP2's bf16 parameters
+    against autocast). (Also run on GPUs by benchmark/dist_check.py.)"""
     torch.manual_seed(3)
     extra = {"output_router_logits": router_logits} if family == "mixtral" else {}
     model = tiny_model(family, dtype, vocab_size=97, tie_word_embeddings=tied, **extra).to(device)
@@ -742,7 +742,7 @@ def patched_training_case(rank, world, *, wrap, family="llama", tied=False, dtyp
     batches = [_batches(world, model.config.vocab_size, device) for _ in range(steps)]
     start = {name: p.detach().clone() for name, p in model.named_parameters()}
     reference = copy.deepcopy(model)
-    ref_losses = _train_one_process(reference, batches, mixed_precision)
+    ref_losses = _train_one_process(reference, batches)
     plain = copy.deepcopy(model) if baseline else None
 
     flce.apply_flce_patch(model, use_flce_experts=flce_experts)
@@ -783,12 +783,20 @@ def _train_wrapped(model, batches, rank: int, wrap: str, mixed_precision: str, d
             "sharded": type(model.lm_head.weight).__name__ == "DTensor"}
 
 
+ALL_WEIGHTS = "all weights"  # _training_errors' key for every parameter's change taken as one vector
+
+
 def _training_errors(model, losses, reference, ref_losses, rank: int, start: dict) -> dict[str, float]:
-    """Relative errors of each step's loss and of each parameter's change over the run."""
+    """Relative errors of each step's loss, of each parameter's change over the run and of all changes
+    together (``ALL_WEIGHTS``)."""
     errs = {f"loss, step {i + 1}": rel_err(loss, ref[rank]) for i, (loss, ref) in enumerate(zip(losses, ref_losses))}
     ref_params = dict(reference.named_parameters())
+    got, want = [], []
     for name, p in model.named_parameters():
-        errs[name] = rel_err(_full(p) - start[name], ref_params[name].detach() - start[name])
+        got.append((_full(p) - start[name]).flatten())
+        want.append((ref_params[name].detach() - start[name]).flatten())
+        errs[name] = rel_err(got[-1], want[-1])
+    errs[ALL_WEIGHTS] = rel_err(torch.cat(got), torch.cat(want))
     return errs
 
 
