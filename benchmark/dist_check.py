@@ -394,8 +394,8 @@ def report(loss_rows: list[dict], train_rows: list[dict], time_rows: list[dict],
             "heads": HEADS, "options_shape": OPTIONS_SHAPE, "seconds": seconds}
     tables = [
         ("vocab-parallel loss: relative errors against float64, worst rank", loss_rows, LOSS_COLUMNS),
-        ("training under DDP/FSDP2 against one process: worst step loss, weight changes (bf16: all together)", train_rows,
-         TRAIN_COLUMNS),
+        ("training under DDP/FSDP2 against one process: worst step loss, weight changes (bf16: all together)",
+         train_rows, TRAIN_COLUMNS),
         ("step time (median of 10, forward+backward) and extra memory per rank", time_rows, TIME_COLUMNS),
     ]
     write_json(out_dir / "dist_check.json", meta, [{"part": title, **r} for title, rows, _ in tables for r in rows])
