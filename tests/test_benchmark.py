@@ -357,3 +357,29 @@ def test_dist_check_smoke_on_two_cpu_ranks(tmp_path):
         assert any(c.startswith(part) for c in checks), part
     assert proc.stdout.rstrip().splitlines()[-1].startswith("ALL OK")
     assert (tmp_path / "dist_check.md").read_text().startswith("# dist_check")
+
+
+def _training_result(errs: dict, base: dict | None = None) -> list[dict]:
+    """One rank's result of test_distributed.patched_training_case, as dist_check gathers it."""
+    return [{"errs": errs, "baseline_errs": base or {}, "fused": True, "flce_experts": False, "sharded": False}]
+
+
+def test_dist_check_training_verdicts():
+    """dist_check's training rows: in bf16, the losses and all weights' changes together against the unpatched
+    model's errors (one weight far off alone, a routing flip, passes); in float64 every weight at 1e-6."""
+    import dist_check
+
+    all_w = dist_check.cases.ALL_WEIGHTS
+    base = {"loss, step 1": 1e-2, "experts": 7.5e-3, "head": 4e-3, all_w: 4.5e-3}
+
+    def verdict(bf16: bool, **errs: float) -> str:
+        row = dist_check._training_row("case", _training_result({**base, **errs}, base if bf16 else None), "ddp",
+                                       False, bf16)
+        return row["status"]
+
+    assert verdict(True, experts=5.8e-2) == "ok"  # one expert 7.7x the unpatched model's, all weights alike
+    assert verdict(True, **{all_w: 1.6 * base[all_w]}) == "FAIL"
+    assert verdict(True, **{"loss, step 1": 6e-2}) == "FAIL"  # above 5e-2 and 1.5x the unpatched loss error
+    assert verdict(True, **{"loss, step 1": 4e-2}) == "ok"
+    assert verdict(False, **{"loss, step 1": 1e-7, "experts": 1e-7, "head": 2e-6, all_w: 1e-7}) == "FAIL"
+    assert verdict(False, **{"loss, step 1": 1e-7, "experts": 1e-7, "head": 1e-7, all_w: 1e-7}) == "ok"
