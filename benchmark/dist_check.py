@@ -112,8 +112,8 @@ def main() -> None:
     ok = report(loss_rows, train_rows, time_rows, world, device, seconds) if rank == 0 else True
     dist.barrier()
     dist.destroy_process_group()
-    # Every result is written: skip the interpreter's teardown, where work objects that gloo's threads
-    # still hold can abort a rank as they are released (pytorch/pytorch#179291).
+    # Every result is written: skip the interpreter's teardown. An abort there (gloo's threads releasing
+    # work at finalization, one way is described in pytorch/pytorch#179291) would fail a finished run.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if ok else 1)
