@@ -39,7 +39,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class Cell:
-    """One problem: BT x H x V in ``dtype``; ``ignored``: share of targets = -100."""
+    """One problem: BT x H x V in ``dtype``; ``ignored``: share of targets = -100; ``logit_std``: the logits'
+    spread (W scaled by it); above 1 the targets are drawn from the softmax, as a trained model's are."""
 
     sweep: str
     bt: int
@@ -49,6 +50,7 @@ class Cell:
     ignored: float = 0.0
     precision: bool = False  # also measure grad_weight's error against float64
     dtype: torch.dtype = torch.bfloat16
+    logit_std: float = 1.0
 
     @property
     def shape(self) -> str:
@@ -67,7 +69,10 @@ SWEEPS: dict[str, Callable[[bool], list[Cell]]] = {
     "small-vocab": lambda quick: [Cell("small-vocab", 8192, 2048, 32000)],
     "precision": lambda quick: [Cell("precision", 32768, 1024, 32000, FB, precision=True),
                                 Cell("precision", 16384, 2048, 65536, FB, precision=True),
-                                Cell("precision", 8192, 4096, 128256, FB, precision=True)],  # one chunk
+                                Cell("precision", 8192, 4096, 128256, FB, precision=True),  # one chunk
+                                # a trained model's logits: spread out, targets likely (bf16 logits' own error)
+                                Cell("precision", 32768, 1024, 32000, FB, precision=True, logit_std=6.0),
+                                Cell("precision", 8192, 4096, 128256, FB, precision=True, logit_std=6.0)],
     "ignore": lambda quick: [Cell("ignore", 8192, **LLAMA3, modes=FB, ignored=share) for share in (0.0, 0.5)],
     # The embedded default without a GPU (a training step in float32, seconds a cell): logits of 8 and
     # 32 MiB against a weight of 2 and 4 MiB, and the larger with half the targets ignored.
@@ -300,12 +305,24 @@ def _make_inputs(cell: Cell, device: torch.device):
     gen = torch.Generator(device=device).manual_seed(cell.bt * 7 + cell.vocab)
     x = torch.randn(cell.bt, cell.hidden, device=device, dtype=cell.dtype, generator=gen).requires_grad_()
     w = (torch.randn(cell.vocab, cell.hidden, device=device, dtype=cell.dtype, generator=gen)
-         * cell.hidden ** -0.5).requires_grad_()
-    t = torch.randint(0, cell.vocab, (cell.bt,), device=device, generator=gen)
+         * (cell.logit_std * cell.hidden ** -0.5)).requires_grad_()
+    t = (torch.randint(0, cell.vocab, (cell.bt,), device=device, generator=gen) if cell.logit_std == 1.0
+         else _sampled_targets(x.detach(), w.detach(), gen))
     if cell.ignored:
         drop = torch.randperm(cell.bt, device=device, generator=gen)[: round(cell.ignored * cell.bt)]
         t[drop] = -100
     return x, w, t
+
+
+def _sampled_targets(x: torch.Tensor, w: torch.Tensor, gen: torch.Generator, budget: int = 512 * MB) -> torch.Tensor:
+    """(BT,) targets drawn from softmax(x @ w.T) (the Gumbel-max trick), in chunks of rows."""
+    rows = max(budget // (w.shape[0] * 4), 1)
+    parts = []
+    for start in range(0, x.shape[0], rows):
+        z = x[start:start + rows].float() @ w.float().t()
+        u = torch.rand(z.shape, device=z.device, generator=gen).clamp_(min=1e-20)
+        parts.append((z - torch.log(-torch.log(u))).argmax(1))
+    return torch.cat(parts)
 
 
 def _cells(args) -> list[Cell]:
@@ -436,7 +453,8 @@ def _run_cell(cell: Cell, methods: list[str], args, bandwidth: float, step) -> l
         for method, measured in measure_steps(steps, args, flops, timings=getattr(args, "timing", None)).items():
             step(f"{cell.shape} {mode} {method}")
             extras = dict(sweep=cell.sweep, dtype=str(cell.dtype).removeprefix("torch."), BT=cell.bt,
-                          H=cell.hidden, V=cell.vocab, ignored=cell.ignored, cell=_cell_label(cell),
+                          H=cell.hidden, V=cell.vocab, ignored=cell.ignored, logit_std=cell.logit_std,
+                          cell=_cell_label(cell),
                           ms_loop=measured.pop("ms_loop", None), ms_mixed=measured.pop("ms_mixed", None),
                           overhead_mb=measured["peak_mb"] - grad_mb,
                           byte_floor_ms=byte_floor if cell.bt <= BYTE_FLOOR_MAX_BT else None,
@@ -450,8 +468,10 @@ def _run_cell(cell: Cell, methods: list[str], args, bandwidth: float, step) -> l
 
 
 def _cell_label(cell: Cell) -> str:
-    """The shape, and the share of ignored targets where there are any (the compact table's cell column)."""
-    return cell.shape + (f" {cell.ignored:.0%} ign" if cell.ignored else "")
+    """The shape, the share of ignored targets and the logits' spread where not the default (the compact
+    table's cell column)."""
+    return cell.shape + (f" {cell.ignored:.0%} ign" if cell.ignored else "") + (
+        f" std {cell.logit_std:g}" if cell.logit_std != 1.0 else "")
 
 
 def _precision(make_step, ref: torch.Tensor, rounding: float, args) -> dict:
@@ -471,7 +491,7 @@ def _add_ratios(rows: list[dict]) -> list[dict]:
     (ignored cells vs all-valid)."""
     def key(r, **override):
         k = dict(sweep=r["sweep"], mode=r["mode"], dtype=r["dtype"], shape=r["shape"], ignored=r["ignored"],
-                 method=r["method"])
+                 logit_std=r.get("logit_std", 1.0), method=r["method"])
         k.update(override)
         return tuple(k.values())
 

@@ -53,6 +53,25 @@ def reference_loss(x, weight, target, *, linear_bias=None, weight_cls=None, redu
     return (total / denom if denom != 0 else total * 0.0), leaves
 
 
+def peaked_case(n: int, hidden: int, vocab: int, dtype: torch.dtype, device, bias: bool = False,
+                temperature: float = 1.0, std: float = 6.0, seed: int = 0):
+    """(x, w, b, target) with logits of std ``std`` (a trained model's spread) and targets drawn from their
+    softmax (the Gumbel-max trick in float64); x, w (and b) require grad, b is None without ``bias``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, hidden, device=device, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=device, generator=gen) * std / hidden**0.5).to(dtype).requires_grad_()
+    b = torch.randn(vocab, device=device, generator=gen).to(dtype).requires_grad_() if bias else None
+    z, _ = reference_logits(x, w, b, temperature)
+    gumbel = -torch.log(-torch.log(torch.rand(n, vocab, device=device, generator=gen, dtype=torch.float64)))
+    return x, w, b, (z.detach() + gumbel).argmax(1)
+
+
+def errors_in_roundings(got, exact, dtype: torch.dtype) -> list[float]:
+    """Each gradient's relative error against float64 as a multiple of that of the exact gradient rounded once
+    to ``dtype`` (1.0: the best a ``dtype`` result can do)."""
+    return [rel_err(g, e) / rel_err(e.to(dtype), e) for g, e in zip(got, exact)]
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||a - e|| / ||e|| in float64 (absolute error when ||e|| is 0); NaN anywhere gives inf."""
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()

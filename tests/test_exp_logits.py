@@ -289,8 +289,8 @@ def test_low_memory_frozen_weight_and_one_chunk(path, low_memory_plan):
 
 def test_low_memory_rows_out_of_the_window_fall_back(path, low_memory_plan):
     """A row far beyond the window in one chunk: forward's loss stands; backward runs forward's loop again
-    with the path off (the device then cools down), and its blocks with that loop's lse, which matches the
-    rounded logits they recompute: the gradients are the standard path's."""
+    with the path off (the device then cools down), and its blocks with that loop's lse: the gradients are the
+    standard path's."""
     low_memory_plan(1 << 20)
     x, w, b, t, cw = case(scale=0.5)
     with torch.no_grad():

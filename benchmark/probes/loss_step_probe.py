@@ -5,7 +5,9 @@ and weight. Kinds:
 - ``grouped``, shapes B x G x H x V: ``flce.grouped_linear_cross_entropy``, a mean per head, 10% of the targets
   ignored;
 - ``masked-mean``, shapes BT x H x V: ``reduction="none"`` rows, then (rows * mask).sum() / mask.sum() with 10%
-  of the rows masked (the per-row grad_output path).
+  of the rows masked (the per-row grad_output path);
+- ``mean`` and ``smoothing``, shapes BT x H x V: ``flce.linear_cross_entropy``'s mean, without and with
+  ``label_smoothing=0.1`` (which keeps a single chunk on the standard path).
 
 GPU only:
 
@@ -42,7 +44,15 @@ def masked_mean_step(rows: int, hidden: int, vocab: int):
     return step
 
 
-KINDS = {"grouped": grouped_step, "masked-mean": masked_mean_step}
+def mean_step(rows: int, hidden: int, vocab: int, **options):
+    x = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda") * hidden**-0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, vocab, (rows,), device="cuda")
+    return lambda: torch.autograd.grad(flce.linear_cross_entropy(x, w, t, **options), (x, w))
+
+
+KINDS = {"grouped": grouped_step, "masked-mean": masked_mean_step, "mean": mean_step,
+         "smoothing": lambda *shape: mean_step(*shape, label_smoothing=0.1)}
 
 
 def step_times(step) -> tuple[list[float], float]:

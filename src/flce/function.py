@@ -72,6 +72,9 @@ class LossParts:
     lse: torch.Tensor
     correct: torch.Tensor | None
     total: torch.Tensor | None = None  # the reduced loss, when the CE kernel finished the mean itself
+    # Every chunk's lse came from its logits unrounded (the exp-logits path) or stored less their tile max
+    # (``logits_triton``): a kernel that recomputes the logits should not round them (the low-memory blocks).
+    exact_lse: bool = False
 
 
 @dataclass
@@ -215,6 +218,7 @@ def chunk_loop(
         # reduction="none": a per-row grad_output (a masked mean's 1 / count on every row) splits per row
         ce_scale, row_residual = split_scale(grad_scale, opts.temperature)
     misses = None
+    parts.exact_lse = True
     for i, (start, end) in enumerate(plan.bounds()):
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
         rows = slice(start, end) if end - start < n else slice(None)
@@ -235,6 +239,7 @@ def chunk_loop(
                                        grads.bias)
                 continue
         logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend)
+        parts.exact_lse &= tile_stats is not None and opts.softcap is None  # stored less their tile max
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
                  _take(parts.correct, rows), class_weight, weight_sum,
                  _take(ce_scale, rows) if row_scale else ce_scale, opts, counts, parts.total, tile_stats)

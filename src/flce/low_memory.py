@@ -217,7 +217,7 @@ class LowMemoryFunction(torch.autograd.Function):
         share = memory is not None
         parts, grads = loop(x, weight, bias, target, class_weight, weight_sum, fwd_scale,
                             (needs[0], share, share and needs[2]), spec, memory=memory[1] if memory else None)
-        ctx.grad_input, ctx.window = grads.input, grads.window
+        ctx.grad_input, ctx.window, ctx.exact_lse = grads.input, grads.window, parts.exact_lse
         # grad_weight's storage, the share's sums
         ctx.share = (memory[0], grads.weight, grads.bias, grads.scale) if memory else None
         ctx.consumed = False
@@ -259,19 +259,21 @@ class LowMemoryFunction(torch.autograd.Function):
             if bias_share is not None:
                 grad_b = torch.empty(weight.shape[0], dtype=bias_share.dtype, device=x.device)
                 torch.mul(bias_share, g_share, out=grad_b[:first])
-        # After the exp-logits forward (a window check exists) the lse is that of the unrounded logits.
+        # After the exp-logits forward (a window check exists), or the logits stored less their tile max, the lse
+        # is that of the unrounded logits; else of the logits rounded as stored.
         grad_w, grad_b = _weight_grads(x, weight, bias, target, class_weight, weight_sum, lse, block_scale, needs, spec,
-                                       exact_lse=ctx.window is not None, grad_w=grad_w, first=first, grad_b=grad_b)
+                                       exact_lse=ctx.window is not None or ctx.exact_lse, grad_w=grad_w, first=first,
+                                       grad_b=grad_b)
         if ctx.window is not None and ctx.window.missed():
-            # Rows left the exp-logits window: forward again on the standard path, whose lse matches the
-            # rounded logits that the blocks recompute, and the blocks again with it (rare: the device
-            # then cools down). The first results go before forward's buffer comes back: the mode's peak.
+            # Rows left the exp-logits window: forward again on the standard path, and the blocks again with its
+            # lse (rare: the device then cools down). The first results go before forward's buffer comes back:
+            # the mode's peak.
             grad_x = grad_w = grad_b = None  # forward's share too: grad_weight's storage goes
             parts, grads = loop(x, weight, bias, target, class_weight, weight_sum,
                                 _forward_scale(grad_scale, spec, x.device), (True, False, False), spec)
             grad_x = _scale_input_grad(grads.input, g, dtypes[0], spec)
             grad_w, grad_b = _weight_grads(x, weight, bias, target, class_weight, weight_sum, parts.lse, block_scale,
-                                           needs, spec)
+                                           needs, spec, exact_lse=parts.exact_lse)
         if grad_b is not None:
             grad_b = _as_dtype(grad_b, dtypes[2])
         if ctx.target_check is not None:  # waits only now, with this backward's kernels already queued

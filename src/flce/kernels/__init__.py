@@ -111,8 +111,9 @@ def ce_chunk(
             [0, V), -] into it, writes grad_scale = 1 / max(valid, 1) and ``total`` (0-d float32) =
             the mean loss, and the gradient it writes is not scaled (backward applies grad_scale).
         tile_stats: None, or the (n, T) float32 per-tile max and sum exp(z - max) that
-            ``logits_triton.logits_with_tile_stats`` wrote with these logits (triton only): the kernel
-            then takes each row's lse from them and reads the logits once.
+            ``logits_triton.logits_with_tile_stats`` wrote with ``logits`` (triton only), which then hold
+            what that GEMM stores: z less its tile max, or the logits with softcap. The kernel takes each
+            row's lse from them and reads the values once.
     """
     if backend == "triton":
         from .ce_triton import ce_chunk_triton

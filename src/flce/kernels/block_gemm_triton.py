@@ -4,7 +4,7 @@ dz = d loss / d (x @ W_block^T + b_block) for a block of vocabulary columns and 
 persistent Triton GEMM over TMA tensor descriptors (the tiles, order and pipeline of
 ``logits_triton.py``). Each output tile is turned into its gradient from the rows' saved lse
 (``ce_block_triton._block_grad``) before the one store, as the lse saw the logits: rounded to the logits'
-dtype as the standard forward stored them, or unrounded after the exp-logits forward (``RowTerms.exact_lse``).
+dtype where forward stored them so, or unrounded (``RowTerms.exact_lse``).
 The block's logits are never written or read back. The rows' terms are loaded before the tile's K loop and
 the epilogue is a few operations per element (benchmark/NOTES.md, The precise low-memory mode).
 """

@@ -3,7 +3,8 @@
 One program per row, two passes over the vocabulary in blocks: an online softmax (max, sum of
 exponentials, weighted sum of logits for smoothing, argmax for accuracy), then the gradient. Given the
 logits GEMM's per-tile statistics (``logits_triton.py``, Hopper), one pass: the lse comes from them,
-and the gradient pass also gathers what the loss needs. All
+and the gradient pass also gathers what the loss needs; that GEMM stores each logit less its tile's max
+(without softcap), which the kernel adds back (``_write_row_grad_once``). All
 arithmetic is float32 whatever the storage dtype of the logits. Runs on CUDA, and on the CPU under
 ``TRITON_INTERPRET=1`` (how CI tests it).
 """
@@ -23,19 +24,19 @@ from .softcap_triton import capped, capped_slope
 
 
 @triton.jit
-def _extras(z_in, z, mask, cols, start, class_weight_ptr, sum_z, best, best_idx, HAS_WEIGHT: tl.constexpr,
+def _extras(z_in, z, mask, cols, class_weight_ptr, sum_z, best, best_idx, HAS_WEIGHT: tl.constexpr,
             HAS_SMOOTHING: tl.constexpr, COMPUTE_ACC: tl.constexpr):
     """One block's share of the (class-weighted) sum of z for smoothing and of the argmax for accuracy
-    (z: -inf where masked); the first index wins ties."""
+    (z: -inf where masked; any shape, ``cols`` its column indices); the first index wins ties."""
     if HAS_SMOOTHING:
         if HAS_WEIGHT:
             w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            sum_z += tl.sum(tl.where(mask, w * z_in, 0.0), 0)
+            sum_z += tl.sum(tl.where(mask, w * z_in, 0.0))
         else:
-            sum_z += tl.sum(tl.where(mask, z_in, 0.0), 0)
+            sum_z += tl.sum(tl.where(mask, z_in, 0.0))
     if COMPUTE_ACC:
-        block_max = tl.max(z, 0)
-        block_arg = start + tl.argmax(z, 0)
+        block_max = tl.max(z)
+        block_arg = tl.min(tl.where(z == block_max, cols, 2147483647))
         best_idx = tl.where(block_max > best, block_arg, best_idx)
         best = tl.maximum(best, block_max)
     return sum_z, best, best_idx
@@ -62,7 +63,7 @@ def _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT: tl.c
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that start with -inf logits
         s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)
         m = m_new
-        sum_z, best, best_idx = _extras(z_in, z, mask, cols, start, class_weight_ptr, sum_z, best, best_idx, HAS_WEIGHT,
+        sum_z, best, best_idx = _extras(z_in, z, mask, cols, class_weight_ptr, sum_z, best, best_idx, HAS_WEIGHT,
                                         HAS_SMOOTHING, COMPUTE_ACC)
     return m, s, sum_z, best_idx
 
@@ -126,26 +127,37 @@ def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coe
 
 
 @triton.jit
-def _write_row_grad_once(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class,
-                         scale, keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                         HAS_EXTRA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ACC: tl.constexpr,
-                         BLOCK_V: tl.constexpr):
-    """The only pass when lse is known beforehand (tile statistics): the gradient written over the row,
-    and the sum of z and argmax that the loss and accuracy need, from the same read."""
+def _write_row_grad_once(row_ptr, tile_max_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef,
+                         smoothing_per_class, scale, keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr,
+                         HAS_SMOOTHING: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                         COMPUTE_ACC: tl.constexpr, SHIFTED: tl.constexpr, TILE_N: tl.constexpr,
+                         WRITE: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+    """The only pass when lse is known beforehand (tile statistics): the gradient written over the row
+    (``WRITE``), and the sum of z and argmax that the loss and accuracy need, from the same read. ``SHIFTED``:
+    the values are z less the tile max (``logits_triton._store_shifted``; the row's (T,) tile maxima at
+    ``tile_max_ptr``, TILE_N columns a tile), else the logits, taken through temperature and softcap.
+    The block is (BLOCK_V / VEC, VEC): a row of VEC columns lies in one tile, so a thread loads one tile max
+    for the VEC values it loads at once."""
     sum_z = 0.0
     best = float("-inf")
     best_idx = 0
     for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
+        lead = start + tl.arange(0, BLOCK_V // VEC) * VEC  # each row's first column
+        cols = lead[:, None] + tl.arange(0, VEC)[None, :]
         mask = cols < V
         raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        z_in, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
+        if SHIFTED:
+            z_in = raw + tl.load(tile_max_ptr + lead // TILE_N, mask=lead < V, other=0.0)[:, None]
+            slope = z_in  # no softcap: never read
+        else:
+            z_in, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
         z = tl.where(mask, z_in, float("-inf"))
-        sum_z, best, best_idx = _extras(z_in, z, mask, cols, start, class_weight_ptr, sum_z, best, best_idx, HAS_WEIGHT,
+        sum_z, best, best_idx = _extras(z_in, z, mask, cols, class_weight_ptr, sum_z, best, best_idx, HAS_WEIGHT,
                                         HAS_SMOOTHING, COMPUTE_ACC)
-        g = _grad_block(z_in, slope, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef,
-                        smoothing_per_class, scale, keep, HAS_WEIGHT, HAS_SMOOTHING, HAS_EXTRA, HAS_SOFTCAP)
-        tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
+        if WRITE:
+            g = _grad_block(z_in, slope, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef,
+                            smoothing_per_class, scale, keep, HAS_WEIGHT, HAS_SMOOTHING, HAS_EXTRA, HAS_SOFTCAP)
+            tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
     return sum_z, best_idx
 
 
@@ -202,8 +214,11 @@ def _ce_kernel(
     COMPUTE_ACC: tl.constexpr,
     MEAN_BY_COUNT: tl.constexpr,
     TILE_STATS: tl.constexpr,
+    SHIFTED: tl.constexpr,
+    TILE_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     n_valid = tl.zeros((), dtype=tl.int64)
     n_bad = tl.zeros((), dtype=tl.int64)
@@ -221,7 +236,12 @@ def _ce_kernel(
             n_bad += bad.to(tl.int64)
         y = tl.minimum(tl.maximum(y, 0), V - 1)  # safe index for ignored (or unchecked) targets
 
-        z_y = capped(tl.load(row_ptr + y).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)  # before pass 2
+        tile_max_row = tile_max_ptr + row * n_tiles  # (T,) when TILE_STATS
+        z_y = tl.load(row_ptr + y).to(tl.float32)  # before pass 2 overwrites it
+        if SHIFTED:  # stored less its tile max (``logits_triton._store_shifted``)
+            z_y += tl.load(tile_max_row + y // TILE_N)
+        else:
+            z_y = capped(z_y, inv_temp, softcap, HAS_SOFTCAP)
         if HAS_WEIGHT:
             w_y = tl.load(class_weight_ptr + y).to(tl.float32)
             w_sum = tl.load(weight_sum_ptr).to(tl.float32)
@@ -229,13 +249,13 @@ def _ce_kernel(
             w_y = 1.0
             w_sum = V * 1.0
         if TILE_STATS:  # lse from the logits GEMM's epilogue: no pass for it
-            stats = row * n_tiles
-            lse = _tile_stats_lse(tile_max_ptr + stats, tile_sum_ptr + stats, n_tiles, BLOCK_T)
+            lse = _tile_stats_lse(tile_max_row, tile_sum_ptr + row * n_tiles, n_tiles, BLOCK_T)
             sum_z = 0.0
             best_idx = 0
             if not COMPUTE_GRAD and (HAS_SMOOTHING or COMPUTE_ACC):
-                _m, _s, sum_z, best_idx = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT,
-                                                     HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V)
+                sum_z, best_idx = _write_row_grad_once(
+                    row_ptr, tile_max_row, class_weight_ptr, V, y, lse, 0.0, 0.0, 0.0, 0.0, valid, inv_temp, softcap,
+                    HAS_WEIGHT, HAS_SMOOTHING, False, HAS_SOFTCAP, COMPUTE_ACC, SHIFTED, TILE_N, False, BLOCK_V, VEC)
         else:
             m, s, sum_z, best_idx = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT,
                                                HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V)
@@ -257,9 +277,9 @@ def _ce_kernel(
             scale = scale * inv_temp + poison
             if TILE_STATS:
                 sum_z, best_idx = _write_row_grad_once(
-                    row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y, smoothing / V, scale,
-                    valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP,
-                    COMPUTE_ACC, BLOCK_V)
+                    row_ptr, tile_max_row, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y,
+                    smoothing / V, scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
+                    HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, COMPUTE_ACC, SHIFTED, TILE_N, True, BLOCK_V, VEC)
             else:
                 _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y,
                                 smoothing / V, scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
@@ -303,6 +323,13 @@ def _sm_count(device_index: int | None) -> int:
     if not torch.cuda.is_available():
         return 4  # interpreter: the grid size only changes how rows are dealt out
     return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+
+
+def _tile_width(vocab: int, n_tiles: int) -> int:
+    """The logits GEMM's tile width (a power of two) from the number of tiles it made of ``vocab`` columns:
+    the one power of two in [vocab / n_tiles, vocab / (n_tiles - 1)); with one tile any width >= vocab
+    serves."""
+    return triton.next_power_of_2(triton.cdiv(vocab, n_tiles))
 
 
 def ce_chunk_triton(
@@ -362,7 +389,11 @@ def ce_chunk_triton(
         COMPUTE_ACC=correct is not None,
         MEAN_BY_COUNT=counts is not None,
         TILE_STATS=tile_stats is not None,
+        # What the logits GEMM stores without softcap (``logits_triton._store_shifted``): z less its tile max.
+        SHIFTED=tile_stats is not None and opts.softcap is None,
+        TILE_N=_tile_width(vocab, tile_stats[0].shape[1]) if tile_stats is not None else 1,
         BLOCK_V=block_v,
         BLOCK_T=min(triton.next_power_of_2(tile_stats[0].shape[1]), 1024) if tile_stats is not None else 1,
+        VEC=min(8, block_v),  # the one pass's columns per row of its 2-D block: one 16-byte load of 16-bit values
         num_warps=max(4, min(warps, block_v // 512)),
     )

@@ -2,8 +2,9 @@
 
 logits = x_c @ W^T (+ b) as a persistent Triton GEMM over TMA tensor descriptors. Each (BM, BN) output
 tile also yields, per row, the max and the sum of exp(z - max) of its BN logits z (after temperature and
-softcap, from the values as stored). The CE kernel combines a row's tile partials into its log-sum-exp
-and then reads each logit once (1 read + 1 write of the logits instead of 2 + 1). On an H100 this GEMM
+softcap, from the values as stored); it stores z less that max, where a logit that carries probability
+rounds to nearly nothing (``_store_shifted``). The CE kernel combines a row's tile partials into its
+log-sum-exp and then reads each logit once (1 read + 1 write of the logits instead of 2 + 1). On an H100 this GEMM
 runs 4% faster than cuBLAS at 4096 x 4096 x 128256 in isolation and ~2% under sustained load, and the
 epilogue costs nothing measurable (benchmark/probes/logits_tma_gemm_probe.py, benchmark/NOTES.md).
 """
@@ -89,8 +90,10 @@ def tile_epilogue(acc, cols, out_desc, max_ptr, sum_ptr, m0, n0, pid_n, grid_n, 
     its rows' max and sum of exp(z - max) written at column ``pid_n`` of the (M, grid_n) statistics."""
     if OUTPUT == STORE_EXP:
         row_max, row_sum = _store_exp(acc, cols, out_desc, m0, n0, N, inv_temp)
+    elif OUTPUT == STORE_LOGITS and not HAS_SOFTCAP:
+        row_max, row_sum = _store_shifted(acc, cols, out_desc, m0, n0, N, inv_temp)
     else:
-        if OUTPUT == STORE_LOGITS:
+        if OUTPUT == STORE_LOGITS:  # softcap: the raw logits (the CE kernel caps them as it reads)
             out = acc.to(out_desc.dtype)
             out_desc.store([m0, n0], out)
             acc = out.to(tl.float32)  # statistics of the values the CE kernel will read back
@@ -103,8 +106,8 @@ def tile_epilogue(acc, cols, out_desc, max_ptr, sum_ptr, m0, n0, pid_n, grid_n, 
     tl.store(sum_ptr + stat, row_sum, mask=rows < M)
 
 
-# What the GEMM writes besides its statistics: the logits, e = exp(z) (``_store_exp``), or nothing (a loss
-# without gradients needs the statistics alone: ``loss_only.py``).
+# What the GEMM writes besides its statistics: the logits (less their tile max: ``_store_shifted``), e = exp(z)
+# (``_store_exp``), or nothing (a loss without gradients needs the statistics alone: ``loss_only.py``).
 STORE_LOGITS = tl.constexpr(0)
 STORE_EXP = tl.constexpr(1)
 STORE_NOTHING = tl.constexpr(2)
@@ -115,6 +118,20 @@ STORE_NOTHING = tl.constexpr(2)
 # Beyond, a row stores exp(z - max) instead and its lse says so to the caller (``exp_rows_triton``).
 EXP_HIGH = tl.constexpr(60.0)
 EXP_LOW = tl.constexpr(-80.0)
+
+
+@triton.jit
+def _store_shifted(acc, cols, out_desc, m0, n0, N, inv_temp):
+    """Store d = z - (the row's tile max), z = acc / T, and return each row's tile max and sum of exp(d) of d
+    as stored. A rounded logit is off by up to |z| 2^-9 in bf16: 2.3x the bf16 rounding of the exact
+    gradients at logits of std 3, 8.5x at std 6 (a trained model's), the error every method that stores bf16
+    logits makes (benchmark/NOTES.md). Stored less its tile max, a logit that carries probability is off by
+    |z - max| 2^-9, near 0; the CE kernel adds the max back in float32 (``ce_triton``)."""
+    z = tl.where(cols[None, :] < N, acc * inv_temp, float("-inf"))
+    row_max = tl.max(z, 1)
+    d = (z - row_max[:, None]).to(out_desc.dtype)
+    out_desc.store([m0, n0], d)
+    return row_max, tl.sum(exp_ftz(d.to(tl.float32)), 1)
 
 
 @triton.jit
@@ -178,10 +195,12 @@ def logits_with_tile_stats(
     opts: LossOptions,
     store_exp: bool = False,
 ) -> None:
-    """out = x_c @ weight^T (+ bias), and per row and tile of ``block_n`` columns the max and sum of
-    exp(z - max) of the logits z after temperature and softcap. With ``store_exp`` (no softcap), out =
-    exp(z) instead (exp(z - tile max) in rows whose tile max lies outside [EXP_LOW, EXP_HIGH]), from z
-    unrounded, and the statistics are those of the unrounded z (``exp_logits.py``).
+    """Per row and tile of ``block_n`` columns the max and sum of exp(z - max) of the logits z = (x_c @
+    weight^T (+ bias)) / T after softcap, and in out: z less its row's tile max (``_store_shifted``; the
+    statistics are those of the values as stored), or with softcap the logits x_c @ weight^T (+ bias)
+    themselves (the CE kernel takes softcap's derivative of them: ``ce_triton``). With ``store_exp`` (no softcap), out = exp(z) instead (exp(z - tile max) in rows whose tile
+    max lies outside [EXP_LOW, EXP_HIGH]), from z unrounded, and the statistics are those of the unrounded z
+    (``exp_logits.py``).
 
     Shapes: x_c (n, H), weight (V, H), bias (V,) or None, out (n, V) in x_c's dtype,
     tile_max / tile_sum (n, num_tiles(V)) float32 contiguous. Check ``supported`` first.

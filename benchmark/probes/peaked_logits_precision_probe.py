@@ -1,0 +1,82 @@
+"""Probe: bf16 gradients against float64 when the logits are spread out as a trained model's are (std 1, 3, 6;
+targets drawn from the softmax), on each path of the fused loss, beside eager PyTorch (bf16 logits, ``.float()``
+cross-entropy). A bf16 logit is off by up to |z| / 256, which every method that stores bf16 logits carries into
+its gradients. Prints each gradient's relative error as a multiple of the bf16 rounding of the exact gradient.
+GPU only; run it once per tree to compare two:
+
+    PYTHONPATH=src:benchmark python benchmark/probes/peaked_logits_precision_probe.py [rows,rows,...]
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from suite_lce import _sampled_targets
+
+import flce
+from flce import exp_logits
+
+H, V = 4096, 128256
+EAGER_MAX_ROWS = 8192  # eager's float32 logits and their gradient: 13 GB at 8192 rows
+# (label, rows, linear_cross_entropy keywords, whether the exp-logits path may run)
+CASES = [
+    ("512 rows (one chunk)", 512, {}, True),
+    ("8192 rows (one chunk, exp-logits)", 8192, {}, True),
+    ("8192 rows (one chunk, standard path)", 8192, {}, False),
+    ("8192 rows, label_smoothing 0.1 (one chunk)", 8192, {"label_smoothing": 0.1}, True),
+    ("32768 rows (6 chunks)", 32768, {}, True),
+]
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, smoothing: float = 0.0, rows: int = 1024):
+    """d mean CE / d(x, w) in float64, chunk by chunk."""
+    w64 = w.double()
+    gx, gw = torch.empty(x.shape, dtype=torch.float64, device=x.device), torch.zeros_like(w64)
+    for s in range(0, x.shape[0], rows):
+        x_c, t_c = x[s:s + rows].double(), t[s:s + rows]
+        dz = torch.softmax(x_c @ w64.t(), 1) - smoothing / w.shape[0]
+        dz[torch.arange(x_c.shape[0], device=x.device), t_c] -= 1 - smoothing
+        gx[s:s + rows] = dz @ w64
+        gw.addmm_(dz.t(), x_c)
+    return gx / x.shape[0], gw / x.shape[0]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def main() -> None:
+    only = sys.argv[1].split(",") if len(sys.argv) > 1 else None  # rows to run
+    print(torch.cuda.get_device_name(), "flce from", flce.__file__)
+    print("| case | logit std | flce grad_input / grad_weight, x rounding | eager |")
+    print("|---|---|---|---|")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    min_rows = exp_logits.MIN_ROWS
+    for label, n, kw, exp_path in CASES:
+        if only and str(n) not in only:
+            continue
+        for std in (1.0, 3.0, 6.0):
+            x = torch.randn(n, H, device="cuda", generator=gen).to(torch.bfloat16)
+            w = (torch.randn(V, H, device="cuda", generator=gen) * std * H**-0.5).to(torch.bfloat16)
+            t = _sampled_targets(x, w, gen)
+            exact = reference(x, w, t, kw.get("label_smoothing", 0.0))
+            rounding = [rel(e.to(torch.bfloat16), e) for e in exact]
+            exp_logits.MIN_ROWS = min_rows if exp_path else 1 << 40
+            cells = []
+            methods = [lambda a, b: flce.linear_cross_entropy(a, b, t, **kw)]
+            if n <= EAGER_MAX_ROWS:
+                methods.append(lambda a, b: F.cross_entropy((a @ b.t()).float(), t, **kw))
+            for fn in methods:
+                leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+                got = torch.autograd.grad(fn(*leaves), leaves)
+                cells.append(" / ".join(f"{rel(g, e) / r:.3f}" for g, e, r in zip(got, exact, rounding)))
+                del got, leaves
+            exp_logits.MIN_ROWS = min_rows
+            print(f"| {label} | {std:g} | {' | '.join(cells)}{' | -' if len(cells) == 1 else ''} |", flush=True)
+            del x, w, t, exact
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
