@@ -64,9 +64,9 @@ def main() -> None:
             rounding = [rel(e.to(torch.bfloat16), e) for e in exact]
             exp_logits.MIN_ROWS = min_rows if exp_path else 1 << 40
             cells = []
-            methods = [lambda a, b: flce.linear_cross_entropy(a, b, t, **kw)]
+            methods = [lambda a, b, t=t: flce.linear_cross_entropy(a, b, t, **kw)]
             if n <= EAGER_MAX_ROWS:
-                methods.append(lambda a, b: F.cross_entropy((a @ b.t()).float(), t, **kw))
+                methods.append(lambda a, b, t=t: F.cross_entropy((a @ b.t()).float(), t, **kw))
             for fn in methods:
                 leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
                 got = torch.autograd.grad(fn(*leaves), leaves)
