@@ -21,8 +21,9 @@ class RowTerms(NamedTuple):
     class_weight or None. grad_scale: 0-d or (n,) float32, the reduction's scale times grad_output.
     exact_lse: the lse is that of the unrounded logits (the exp-logits forward, or logits stored less their
     tile max: ``function.LossParts.exact_lse``), so a kernel that recomputes the logits in float32 uses them
-    unrounded; else it rounds them to the dtype the logits were stored in, as the lse saw them. target_col: None, or (n,) int32: the column whose one-hot term
-    the kernel subtracts, the target or -1 where the caller subtracts it (``low_memory.target_rows_apart``).
+    unrounded; else it rounds them to the dtype the logits were stored in, as the lse saw them. target_col:
+    None, or (n,) int32: the column whose one-hot term the kernel subtracts, the target or -1 where the
+    caller subtracts it (``low_memory.target_rows_apart``).
     """
 
     target: torch.Tensor

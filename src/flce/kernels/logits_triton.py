@@ -4,9 +4,10 @@ logits = x_c @ W^T (+ b) as a persistent Triton GEMM over TMA tensor descriptors
 tile also yields, per row, the max and the sum of exp(z - max) of its BN logits z (after temperature and
 softcap, from the values as stored); it stores z less that max, where a logit that carries probability
 rounds to nearly nothing (``_store_shifted``). The CE kernel combines a row's tile partials into its
-log-sum-exp and then reads each logit once (1 read + 1 write of the logits instead of 2 + 1). On an H100 this GEMM
-runs 4% faster than cuBLAS at 4096 x 4096 x 128256 in isolation and ~2% under sustained load, and the
-epilogue costs nothing measurable (benchmark/probes/logits_tma_gemm_probe.py, benchmark/NOTES.md).
+log-sum-exp and then reads each logit once (1 read + 1 write of the logits instead of 2 + 1). On an H100
+this GEMM ran 4% faster than cuBLAS at 4096 x 4096 x 128256 in isolation and ~2% under sustained load with
+the logits stored as such (benchmark/probes/logits_tma_gemm_probe.py); storing them less their tile max costs
+it ~1-2% (benchmark/NOTES.md).
 """
 
 from __future__ import annotations
@@ -198,9 +199,9 @@ def logits_with_tile_stats(
     """Per row and tile of ``block_n`` columns the max and sum of exp(z - max) of the logits z = (x_c @
     weight^T (+ bias)) / T after softcap, and in out: z less its row's tile max (``_store_shifted``; the
     statistics are those of the values as stored), or with softcap the logits x_c @ weight^T (+ bias)
-    themselves (the CE kernel takes softcap's derivative of them: ``ce_triton``). With ``store_exp`` (no softcap), out = exp(z) instead (exp(z - tile max) in rows whose tile
-    max lies outside [EXP_LOW, EXP_HIGH]), from z unrounded, and the statistics are those of the unrounded z
-    (``exp_logits.py``).
+    themselves (the CE kernel takes softcap's derivative of them: ``ce_triton``). With ``store_exp`` (no
+    softcap), out = exp(z) instead (exp(z - tile max) in rows whose tile max lies outside [EXP_LOW,
+    EXP_HIGH]), from z unrounded, and the statistics are those of the unrounded z (``exp_logits.py``).
 
     Shapes: x_c (n, H), weight (V, H), bias (V,) or None, out (n, V) in x_c's dtype,
     tile_max / tile_sum (n, num_tiles(V)) float32 contiguous. Check ``supported`` first.
