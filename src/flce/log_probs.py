@@ -4,7 +4,8 @@ What policy-gradient losses (PPO, GRPO, DPO, ...) and TRL's fused LM head (``flc
 for each token, the log-probability of its target and, on request, the entropy of its distribution and
 three diagnostics. Same logit model as :func:`flce.linear_cross_entropy`.
 
-Forward, chunk by chunk: logits = x_c @ W^T (+ b) into one reused buffer, then one read of them by the
+Forward, chunk by chunk: logits = x_c @ W^T (+ b) into one reused buffer (on Hopper the loss's GEMM,
+which stores them less their tile max: ``function.chunk_logits``), then one read of them by the
 statistics kernel (``kernels.token_stats``); log-probs alone without gradients skip the logits on Hopper
 (``loss_only``). Backward gets any per-token grad_output of the log-probs
 and of the entropy, so it recomputes each chunk's logits, overwrites them with their gradient and runs
@@ -25,7 +26,7 @@ from torch.autograd.function import once_differentiable
 from . import loss_only
 from .checks import check_tensors, compute_dtype, raise_bad_targets
 from .distributed import is_dtensor
-from .function import ChunkGrads, gradient_gemms, scale_grads, split_scale
+from .function import ChunkGrads, chunk_logits, gradient_gemms, scale_grads, split_scale
 from .import_hooks import compile_disabled
 from .kernels import resolve_backend
 from .kernels import token_stats as kernels
@@ -200,9 +201,7 @@ def _log_probs_alone(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n, vocab = x.shape[0], weight.shape[0]
     if spec.want != {"log_probs"}:
         return None
-    tf = spec.tf
-    opts = LossOptions(ignore_index=tf.ignore_index, softcap=tf.softcap, temperature=1.0 / tf.inv_temp,
-                       reduction="none")
+    opts = _loss_options(spec.tf)
     log_probs, lse = torch.empty(2, n, dtype=torch.float32, device=x.device)
     rows = plan_chunks(n, vocab, spec.compute_dtype, weight.dtype, chunk_size=spec.chunk_size).rows
     if not loss_only.try_run(x, weight, bias, target, None, opts, log_probs, lse, compute_dtype=spec.compute_dtype,
@@ -250,15 +249,19 @@ def chunk_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     w = _in_dtype(weight, spec.compute_dtype)
     buffer = torch.empty(plan.rows, vocab, dtype=spec.compute_dtype, device=dev) if plan.num_chunks > 1 else None
     grad, residual = (grad, None) if unit else _split_rows(grad, grads, spec)
+    opts = _loss_options(spec.tf)
     for i, (start, end) in enumerate(plan.bounds()):
         rows = slice(start, end)
         x_c = _in_dtype(x[rows], spec.compute_dtype)
-        logits = _logits(x_c, w, bias, None if buffer is None else buffer[:end - start])
+        # On Hopper the logits less their tile max (the loss's GEMM: far less rounding where p is not small)
+        logits, tile_stats = chunk_logits(x_c, w, bias, None if buffer is None else buffer[:end - start], opts,
+                                          spec.backend)
+        tile_max = tile_stats[0] if tile_stats is not None and spec.tf.softcap is None else None
         if stats is not None:
-            kernels.row_stats(spec.backend, logits, target[rows], stats.rows(start, end), spec.tf)
+            kernels.row_stats(spec.backend, logits, target[rows], stats.rows(start, end), spec.tf, tile_max)
         if grad is not None:
             kernels.row_grad(spec.backend, logits, target[rows], *(None if t is None else t[rows] for t in grad),
-                             spec.tf)
+                             spec.tf, tile_max)
             gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0, backend=spec.backend,
                            row_scale=None if residual is None else residual[rows], single=plan.num_chunks == 1)
     return grads
@@ -361,9 +364,10 @@ def _no_vocabulary(stats: RowStats, target: torch.Tensor, tf: Transform) -> RowS
     return stats
 
 
-def _logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
-    logits = torch.mm(x_c, w.t()) if out is None else torch.mm(x_c, w.t(), out=out)
-    return logits if bias is None else logits.add_(bias)
+def _loss_options(tf: Transform) -> LossOptions:
+    """The loss's options for the same logit transform (the GEMMs shared with the loss read them)."""
+    return LossOptions(ignore_index=tf.ignore_index, softcap=tf.softcap, temperature=1.0 / tf.inv_temp,
+                       reduction="none")
 
 
 def _per_row(grad: torch.Tensor | None) -> torch.Tensor | None:

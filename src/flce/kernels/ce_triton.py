@@ -43,6 +43,22 @@ def _extras(z_in, z, mask, cols, class_weight_ptr, sum_z, best, best_idx, HAS_WE
 
 
 @triton.jit
+def block_cols(start, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+    """Columns [start, start + BLOCK_V) as (BLOCK_V / VEC, VEC), and each row's first, (BLOCK_V / VEC,): a row
+    of the block is one load of VEC values and lies inside one of the logits GEMM's tiles (a multiple of VEC
+    wide), so a thread takes one tile max for all VEC (``shifted_z``)."""
+    lead = start + tl.arange(0, BLOCK_V // VEC) * VEC
+    return lead, lead[:, None] + tl.arange(0, VEC)[None, :]
+
+
+@triton.jit
+def shifted_z(stored, tile_max_row, lead, V, TILE_N: tl.constexpr):
+    """z of a ``block_cols`` block of values the logits GEMM stored less their tile max
+    (``logits_triton._store_shifted``), from the row's tile maxima at ``tile_max_row`` (TILE_N columns a tile)."""
+    return stored + tl.load(tile_max_row + lead // TILE_N, mask=lead < V, other=0.0)[:, None]
+
+
+@triton.jit
 def _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT: tl.constexpr,
                HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ACC: tl.constexpr,
                BLOCK_V: tl.constexpr):
@@ -134,20 +150,17 @@ def _write_row_grad_once(row_ptr, tile_max_ptr, class_weight_ptr, V, y, lse, ext
                          WRITE: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
     """The only pass when lse is known beforehand (tile statistics): the gradient written over the row
     (``WRITE``), and the sum of z and argmax that the loss and accuracy need, from the same read. ``SHIFTED``:
-    the values are z less the tile max (``logits_triton._store_shifted``; the row's (T,) tile maxima at
-    ``tile_max_ptr``, TILE_N columns a tile), else the logits, taken through temperature and softcap.
-    The block is (BLOCK_V / VEC, VEC): a row of VEC columns lies in one tile, so a thread loads one tile max
-    for the VEC values it loads at once."""
+    the values are z less the tile max (``shifted_z``: the row's (T,) tile maxima at ``tile_max_ptr``),
+    else the logits, taken through temperature and softcap."""
     sum_z = 0.0
     best = float("-inf")
     best_idx = 0
     for start in range(0, V, BLOCK_V):
-        lead = start + tl.arange(0, BLOCK_V // VEC) * VEC  # each row's first column
-        cols = lead[:, None] + tl.arange(0, VEC)[None, :]
+        lead, cols = block_cols(start, BLOCK_V, VEC)
         mask = cols < V
         raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if SHIFTED:
-            z_in = raw + tl.load(tile_max_ptr + lead // TILE_N, mask=lead < V, other=0.0)[:, None]
+            z_in = shifted_z(raw, tile_max_ptr, lead, V, TILE_N)
             slope = z_in  # no softcap: never read
         else:
             z_in, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
@@ -325,7 +338,7 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
 
 
-def _tile_width(vocab: int, n_tiles: int) -> int:
+def tile_width(vocab: int, n_tiles: int) -> int:
     """The logits GEMM's tile width (a power of two) from the number of tiles it made of ``vocab`` columns:
     the one power of two in [vocab / n_tiles, vocab / (n_tiles - 1)); with one tile any width >= vocab
     serves."""
@@ -391,7 +404,7 @@ def ce_chunk_triton(
         TILE_STATS=tile_stats is not None,
         # What the logits GEMM stores without softcap (``logits_triton._store_shifted``): z less its tile max.
         SHIFTED=tile_stats is not None and opts.softcap is None,
-        TILE_N=_tile_width(vocab, tile_stats[0].shape[1]) if tile_stats is not None else 1,
+        TILE_N=tile_width(vocab, tile_stats[0].shape[1]) if tile_stats is not None else 1,
         BLOCK_V=block_v,
         BLOCK_T=min(triton.next_power_of_2(tile_stats[0].shape[1]), 1024) if tile_stats is not None else 1,
         VEC=min(8, block_v),  # the one pass's columns per row of its 2-D block: one 16-byte load of 16-bit values

@@ -43,14 +43,18 @@ class Transform(NamedTuple):
     softcap: float | None
 
 
-def row_stats(backend: str, logits: torch.Tensor, target: torch.Tensor, out: RowStats, tf: Transform) -> None:
+def row_stats(backend: str, logits: torch.Tensor, target: torch.Tensor, out: RowStats, tf: Transform,
+              tile_max: torch.Tensor | None = None) -> None:
     """Write ``out``'s fields for each row of ``logits`` (n, V) (rows contiguous, V >= 1), reading it once.
-    target: (n,) int64."""
+    target: (n,) int64. ``tile_max``: None, or (n, T) float32 (triton only) when ``logits`` hold what the
+    Hopper logits GEMM stores without softcap: z (after temperature) less the max of its tile
+    (``logits_triton.logits_with_tile_stats``)."""
     if backend == "triton":
         from .token_stats_triton import row_stats_triton
 
-        row_stats_triton(logits, target, out, tf)
+        row_stats_triton(logits, target, out, tf, tile_max)
     else:
+        assert tile_max is None, "shifted logits come with the triton backend only"
         from .token_stats_torch import row_stats_torch
 
         row_stats_torch(logits, target, out, tf)
@@ -58,18 +62,20 @@ def row_stats(backend: str, logits: torch.Tensor, target: torch.Tensor, out: Row
 
 def row_grad(backend: str, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
              entropy: torch.Tensor | None, grad_log_probs: torch.Tensor | None,
-             grad_entropy: torch.Tensor | None, tf: Transform) -> None:
+             grad_entropy: torch.Tensor | None, tf: Transform, tile_max: torch.Tensor | None = None) -> None:
     """Overwrite ``logits`` (n, V) with d(sum_rows g_lp * log_probs + g_ent * entropy) / d logits.
 
     lse, entropy: forward's (n,) float32 (entropy only with ``grad_entropy``); grad_log_probs,
     grad_entropy: (n,) float32 per-row grad_outputs, or None (no gradient from that output). In z:
     ``g_lp * ([j == y] - p_j) - g_ent * p_j * (z_j - lse + entropy)``, then through softcap and 1/T.
+    ``tile_max``: as in ``row_stats``.
     """
     if backend == "triton":
         from .token_stats_triton import row_grad_triton
 
-        row_grad_triton(logits, target, lse, entropy, grad_log_probs, grad_entropy, tf)
+        row_grad_triton(logits, target, lse, entropy, grad_log_probs, grad_entropy, tf, tile_max)
     else:
+        assert tile_max is None, "shifted logits come with the triton backend only"
         from .token_stats_torch import row_grad_torch
 
         row_grad_torch(logits, target, lse, entropy, grad_log_probs, grad_entropy, tf)

@@ -3,6 +3,7 @@
 Forward: one program per row (rows dealt out round-robin), one read of the row in blocks of the
 vocabulary with an online softmax that also carries what entropy, log(sum p^2), the mean and the argmax
 need. Backward: one read and one write of the recomputed row, which becomes the gradient of the logits.
+Rows the Hopper logits GEMM stored less their tile max (``SHIFTED``) get it added back (``_load_z``).
 Float32 arithmetic whatever the storage dtype; runs on CUDA and, under ``TRITON_INTERPRET=1``, the CPU.
 """
 
@@ -14,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .ce_triton import block_cols, shifted_z, tile_width
 from .softcap_triton import capped, capped_slope
 from .token_stats import RowStats, Transform
 
@@ -33,13 +35,30 @@ def _target(target_ptr, row, V, ignore_index):
 
 
 @triton.jit
+def _load_z(row_ptr, tile_max_row, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr,
+            SHIFTED: tl.constexpr, TILE_N: tl.constexpr):
+    """(z, dz / dr) of a ``block_cols`` block of a row: ``SHIFTED``, the GEMM stored z less its tile max
+    (``shifted_z``), else the logits r, z after temperature and softcap (``capped_slope``; its placeholder
+    slope without softcap)."""
+    raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if SHIFTED:
+        z = shifted_z(raw, tile_max_row, lead, V, TILE_N)
+        slope = z  # no softcap: never read
+    else:
+        z, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
+    return z, slope
+
+
+@triton.jit
 def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, entropy_ptr, sum_sq_ptr, mean_ptr,
-                  top1_ptr, n_rows, V, ignore_index, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr,
-                  HAS_LOG_PROBS: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_SUM_SQ: tl.constexpr,
-                  HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr, BLOCK_V: tl.constexpr):
+                  top1_ptr, tile_max_ptr, n_tiles, n_rows, V, ignore_index, inv_temp, softcap,
+                  HAS_SOFTCAP: tl.constexpr, HAS_LOG_PROBS: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+                  HAS_SUM_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr, SHIFTED: tl.constexpr,
+                  TILE_N: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
         row_ptr = logits_ptr + row * stride_row
+        tile_max_row = tile_max_ptr + row * n_tiles
         valid, poison, y = _target(target_ptr, row, V, ignore_index)
         # Online softmax relative to the running max m: s = sum e, a = sum e * (z - m), q = sum e^2
         # with e = exp(z - m), so that entropy = log s - a / s adds two non-negative terms.
@@ -51,33 +70,38 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
         best = float("-inf")
         best_idx = 0
         for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
+            lead, cols = block_cols(start, BLOCK_V, VEC)
             mask = cols < V
-            z_in = capped(tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)
+            z_in, _slope = _load_z(row_ptr, tile_max_row, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP,
+                                   SHIFTED, TILE_N)
             z = tl.where(mask, z_in, float("-inf"))
-            block_max = tl.max(z, 0)
+            block_max = tl.max(z)
             m_new = tl.maximum(m, block_max)
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that starts with -inf logits
             alpha = tl.exp(m - m_ref)
             e = tl.exp(z - m_ref)
             if HAS_ENTROPY:
                 shift = (tl.where(s > 0.0, m, m_ref) - m_ref) * s  # re-centres the old a on the new max
-                a = alpha * (a + shift) + tl.sum(tl.where(mask, e * (z_in - m_ref), 0.0), 0)
+                a = alpha * (a + shift) + tl.sum(tl.where(mask, e * (z_in - m_ref), 0.0))
             if HAS_SUM_SQ:
-                q = alpha * alpha * q + tl.sum(e * e, 0)
-            s = alpha * s + tl.sum(e, 0)
+                q = alpha * alpha * q + tl.sum(e * e)
+            s = alpha * s + tl.sum(e)
             m = m_new
             if HAS_MEAN:
-                z_sum += tl.sum(tl.where(mask, z_in, 0.0), 0)
+                z_sum += tl.sum(tl.where(mask, z_in, 0.0))
             if HAS_TOP1:
-                block_arg = start + tl.argmax(z, 0)
+                block_arg = tl.min(tl.where(z == block_max, cols, 2147483647))  # the first index wins ties
                 best_idx = tl.where(block_max > best, block_arg, best_idx)
                 best = tl.maximum(best, block_max)
         log_s = tl.log(s)
         lse = m + log_s
         tl.store(lse_ptr + row, tl.where(valid, lse + poison, 0.0))
         if HAS_LOG_PROBS:
-            z_y = capped(tl.load(row_ptr + y).to(tl.float32), inv_temp, softcap, HAS_SOFTCAP)
+            z_y = tl.load(row_ptr + y).to(tl.float32)
+            if SHIFTED:
+                z_y += tl.load(tile_max_row + y // TILE_N)
+            else:
+                z_y = capped(z_y, inv_temp, softcap, HAS_SOFTCAP)
             tl.store(log_probs_ptr + row, tl.where(valid, z_y - lse + poison, 0.0))
         if HAS_ENTROPY:
             tl.store(entropy_ptr + row, tl.where(valid, log_s - a / s + poison, 0.0))
@@ -90,12 +114,14 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
 
 
 @triton.jit
-def _grad_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, n_rows, V,
-                 ignore_index, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr, HAS_LP_GRAD: tl.constexpr,
-                 HAS_ENT_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+def _grad_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, tile_max_ptr, n_tiles,
+                 n_rows, V, ignore_index, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr, HAS_LP_GRAD: tl.constexpr,
+                 HAS_ENT_GRAD: tl.constexpr, SHIFTED: tl.constexpr, TILE_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                 VEC: tl.constexpr):
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
         row_ptr = logits_ptr + row * stride_row
+        tile_max_row = tile_max_ptr + row * n_tiles
         valid, poison, y = _target(target_ptr, row, V, ignore_index)
         lse = tl.load(lse_ptr + row)
         g_lp = 0.0
@@ -107,13 +133,13 @@ def _grad_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_
             g_ent = tl.load(g_ent_ptr + row).to(tl.float32)
             ent = tl.load(entropy_ptr + row)
         for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
+            lead, cols = block_cols(start, BLOCK_V, VEC)
             mask = cols < V
-            raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            z, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
+            z, slope = _load_z(row_ptr, tile_max_row, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP, SHIFTED,
+                               TILE_N)
             log_p = z - lse
             p = tl.exp(log_p)
-            g = tl.zeros((BLOCK_V,), dtype=tl.float32)
+            g = tl.zeros((BLOCK_V // VEC, VEC), dtype=tl.float32)
             if HAS_LP_GRAD:
                 g += g_lp * (tl.where(cols == y, 1.0, 0.0) - p)  # 1 - p_y formed before the product
             if HAS_ENT_GRAD:
@@ -137,7 +163,16 @@ def _launch(n: int, vocab: int, device: torch.device) -> tuple[tuple[int], int, 
     return (programs,), block_v, max(1, min(NUM_WARPS, block_v // 256))
 
 
-def row_stats_triton(logits: torch.Tensor, target: torch.Tensor, out: RowStats, tf: Transform) -> None:
+def _shift(tile_max: torch.Tensor | None, vocab: int, dummy: torch.Tensor) -> dict:
+    """The kernels' arguments for ``tile_max`` (see ``kernels.token_stats.row_stats``)."""
+    if tile_max is None:
+        return dict(tile_max_ptr=dummy, n_tiles=0, SHIFTED=False, TILE_N=1)
+    return dict(tile_max_ptr=tile_max, n_tiles=tile_max.shape[1], SHIFTED=True,
+                TILE_N=tile_width(vocab, tile_max.shape[1]))
+
+
+def row_stats_triton(logits: torch.Tensor, target: torch.Tensor, out: RowStats, tf: Transform,
+                     tile_max: torch.Tensor | None = None) -> None:
     """See ``kernels.token_stats.row_stats``."""
     n, vocab = logits.shape
     if n == 0:
@@ -149,14 +184,16 @@ def row_stats_triton(logits: torch.Tensor, target: torch.Tensor, out: RowStats, 
     _stats_kernel[grid](
         logits, logits.stride(0), target, out.lse, *(dummy if t is None else t for t in (
             out.log_probs, out.entropy, out.log_sum_sq_probs, out.mean_logits, top1)),
-        n, vocab, tf.ignore_index, tf.inv_temp, float(tf.softcap or 1.0), HAS_SOFTCAP=tf.softcap is not None,
-        HAS_LOG_PROBS=out.log_probs is not None, HAS_ENTROPY=out.entropy is not None,
-        HAS_SUM_SQ=out.log_sum_sq_probs is not None, HAS_MEAN=out.mean_logits is not None,
-        HAS_TOP1=top1 is not None, BLOCK_V=block_v, num_warps=warps)
+        n_rows=n, V=vocab, ignore_index=tf.ignore_index, inv_temp=tf.inv_temp, softcap=float(tf.softcap or 1.0),
+        HAS_SOFTCAP=tf.softcap is not None, HAS_LOG_PROBS=out.log_probs is not None,
+        HAS_ENTROPY=out.entropy is not None, HAS_SUM_SQ=out.log_sum_sq_probs is not None,
+        HAS_MEAN=out.mean_logits is not None, HAS_TOP1=top1 is not None, BLOCK_V=block_v, VEC=min(8, block_v),
+        num_warps=warps, **_shift(tile_max, vocab, dummy))
 
 
 def row_grad_triton(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
-                    grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, tf: Transform) -> None:
+                    grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, tf: Transform,
+                    tile_max: torch.Tensor | None = None) -> None:
     """See ``kernels.token_stats.row_grad``."""
     n, vocab = logits.shape
     if n == 0:
@@ -166,6 +203,7 @@ def row_grad_triton(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tenso
     _grad_kernel[grid](
         logits, logits.stride(0), target, lse, *(lse if t is None else t for t in (
             entropy, grad_log_probs, grad_entropy)),
-        n, vocab, tf.ignore_index, tf.inv_temp, float(tf.softcap or 1.0), HAS_SOFTCAP=tf.softcap is not None,
-        HAS_LP_GRAD=grad_log_probs is not None, HAS_ENT_GRAD=grad_entropy is not None, BLOCK_V=block_v,
-        num_warps=warps)
+        n_rows=n, V=vocab, ignore_index=tf.ignore_index, inv_temp=tf.inv_temp, softcap=float(tf.softcap or 1.0),
+        HAS_SOFTCAP=tf.softcap is not None, HAS_LP_GRAD=grad_log_probs is not None,
+        HAS_ENT_GRAD=grad_entropy is not None, BLOCK_V=block_v, VEC=min(8, block_v), num_warps=warps,
+        **_shift(tile_max, vocab, lse))
