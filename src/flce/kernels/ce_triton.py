@@ -46,16 +46,25 @@ def _extras(z_in, z, mask, cols, class_weight_ptr, sum_z, best, best_idx, HAS_WE
 def block_cols(start, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
     """Columns [start, start + BLOCK_V) as (BLOCK_V / VEC, VEC), and each row's first, (BLOCK_V / VEC,): a row
     of the block is one load of VEC values and lies inside one of the logits GEMM's tiles (a multiple of VEC
-    wide), so a thread takes one tile max for all VEC (``shifted_z``)."""
+    wide), so a thread takes one tile max for all VEC (``load_z``)."""
     lead = start + tl.arange(0, BLOCK_V // VEC) * VEC
     return lead, lead[:, None] + tl.arange(0, VEC)[None, :]
 
 
 @triton.jit
-def shifted_z(stored, tile_max_row, lead, V, TILE_N: tl.constexpr):
-    """z of a ``block_cols`` block of values the logits GEMM stored less their tile max
-    (``logits_triton._store_shifted``), from the row's tile maxima at ``tile_max_row`` (TILE_N columns a tile)."""
-    return stored + tl.load(tile_max_row + lead // TILE_N, mask=lead < V, other=0.0)[:, None]
+def load_z(row_ptr, tile_max_row, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr,
+           SHIFTED: tl.constexpr, TILE_N: tl.constexpr):
+    """(z, dz / dr) of a ``block_cols`` block of a row's stored values. ``SHIFTED``: z less its tile max, as the
+    logits GEMM stores it without softcap (``logits_triton._store_shifted``), the max added back from the row's
+    tile maxima at ``tile_max_row`` (TILE_N columns a tile); else the logits r, z after temperature and softcap
+    (``capped_slope``; its placeholder slope without softcap)."""
+    raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if SHIFTED:
+        z = raw + tl.load(tile_max_row + lead // TILE_N, mask=lead < V, other=0.0)[:, None]
+        slope = z  # no softcap: never read
+    else:
+        z, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
+    return z, slope
 
 
 @triton.jit
@@ -150,20 +159,16 @@ def _write_row_grad_once(row_ptr, tile_max_ptr, class_weight_ptr, V, y, lse, ext
                          WRITE: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
     """The only pass when lse is known beforehand (tile statistics): the gradient written over the row
     (``WRITE``), and the sum of z and argmax that the loss and accuracy need, from the same read. ``SHIFTED``:
-    the values are z less the tile max (``shifted_z``: the row's (T,) tile maxima at ``tile_max_ptr``),
-    else the logits, taken through temperature and softcap."""
+    the values are z less the tile max (``load_z``: the row's (T,) tile maxima at ``tile_max_ptr``), else
+    the logits, taken through temperature and softcap."""
     sum_z = 0.0
     best = float("-inf")
     best_idx = 0
     for start in range(0, V, BLOCK_V):
         lead, cols = block_cols(start, BLOCK_V, VEC)
         mask = cols < V
-        raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if SHIFTED:
-            z_in = shifted_z(raw, tile_max_ptr, lead, V, TILE_N)
-            slope = z_in  # no softcap: never read
-        else:
-            z_in, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
+        z_in, slope = load_z(row_ptr, tile_max_ptr, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP, SHIFTED,
+                             TILE_N)
         z = tl.where(mask, z_in, float("-inf"))
         sum_z, best, best_idx = _extras(z_in, z, mask, cols, class_weight_ptr, sum_z, best, best_idx, HAS_WEIGHT,
                                         HAS_SMOOTHING, COMPUTE_ACC)

@@ -3,7 +3,7 @@
 Forward: one program per row (rows dealt out round-robin), one read of the row in blocks of the
 vocabulary with an online softmax that also carries what entropy, log(sum p^2), the mean and the argmax
 need. Backward: one read and one write of the recomputed row, which becomes the gradient of the logits.
-Rows the Hopper logits GEMM stored less their tile max (``SHIFTED``) get it added back (``_load_z``).
+Rows the Hopper logits GEMM stored less their tile max (``SHIFTED``) get it added back (``ce_triton.load_z``).
 Float32 arithmetic whatever the storage dtype; runs on CUDA and, under ``TRITON_INTERPRET=1``, the CPU.
 """
 
@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .ce_triton import block_cols, shifted_z, tile_width
-from .softcap_triton import capped, capped_slope
+from .ce_triton import block_cols, load_z, tile_width
+from .softcap_triton import capped
 from .token_stats import RowStats, Transform
 
 # Vocabulary columns per step, rows per SM in the grid, warps (the CE kernel's tuned defaults).
@@ -32,21 +32,6 @@ def _target(target_ptr, row, V, ignore_index):
     valid = y != ignore_index
     poison = tl.where(valid & ((y < 0) | (y >= V)), float("nan"), 0.0)
     return valid, poison, tl.minimum(tl.maximum(y, 0), V - 1)
-
-
-@triton.jit
-def _load_z(row_ptr, tile_max_row, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr,
-            SHIFTED: tl.constexpr, TILE_N: tl.constexpr):
-    """(z, dz / dr) of a ``block_cols`` block of a row: ``SHIFTED``, the GEMM stored z less its tile max
-    (``shifted_z``), else the logits r, z after temperature and softcap (``capped_slope``; its placeholder
-    slope without softcap)."""
-    raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if SHIFTED:
-        z = shifted_z(raw, tile_max_row, lead, V, TILE_N)
-        slope = z  # no softcap: never read
-    else:
-        z, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
-    return z, slope
 
 
 @triton.jit
@@ -72,7 +57,7 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
         for start in range(0, V, BLOCK_V):
             lead, cols = block_cols(start, BLOCK_V, VEC)
             mask = cols < V
-            z_in, _slope = _load_z(row_ptr, tile_max_row, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP,
+            z_in, _slope = load_z(row_ptr, tile_max_row, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP,
                                    SHIFTED, TILE_N)
             z = tl.where(mask, z_in, float("-inf"))
             block_max = tl.max(z)
@@ -135,7 +120,7 @@ def _grad_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_
         for start in range(0, V, BLOCK_V):
             lead, cols = block_cols(start, BLOCK_V, VEC)
             mask = cols < V
-            z, slope = _load_z(row_ptr, tile_max_row, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP, SHIFTED,
+            z, slope = load_z(row_ptr, tile_max_row, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP, SHIFTED,
                                TILE_N)
             log_p = z - lse
             p = tl.exp(log_p)
