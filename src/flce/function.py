@@ -43,7 +43,7 @@ import torch
 from . import exp_logits, loss_only
 from .exp_logits import PendingExp
 from .gemm import bmm_into, column_sums_into, first_cols, mm_into, mm_new
-from .kernels import ce_chunk, math_dtype
+from .kernels import ce_chunk, math_dtype, shifted_logits
 from .kernels.scale import scale_into
 from .options import LossOptions
 from .planner import ChunkPlan
@@ -239,7 +239,7 @@ def chunk_loop(
                                        grads.bias)
                 continue
         logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend)
-        parts.exact_lse &= tile_stats is not None and opts.softcap is None  # stored less their tile max
+        parts.exact_lse &= shifted_logits(opts, tile_stats)
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
                  _take(parts.correct, rows), class_weight, weight_sum,
                  _take(ce_scale, rows) if row_scale else ce_scale, opts, counts, parts.total, tile_stats)

@@ -28,7 +28,7 @@ from .checks import check_tensors, compute_dtype, raise_bad_targets
 from .distributed import is_dtensor
 from .function import ChunkGrads, chunk_logits, gradient_gemms, scale_grads, split_scale
 from .import_hooks import compile_disabled
-from .kernels import resolve_backend
+from .kernels import resolve_backend, shifted_logits
 from .kernels import token_stats as kernels
 from .kernels.targets import count_targets
 from .kernels.token_stats import FIELDS, RowStats, Transform
@@ -256,7 +256,7 @@ def chunk_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         # On Hopper the logits less their tile max (the loss's GEMM: far less rounding where p is not small)
         logits, tile_stats = chunk_logits(x_c, w, bias, None if buffer is None else buffer[:end - start], opts,
                                           spec.backend)
-        tile_max = tile_stats[0] if tile_stats is not None and spec.tf.softcap is None else None
+        tile_max = tile_stats[0] if shifted_logits(opts, tile_stats) else None
         if stats is not None:
             kernels.row_stats(spec.backend, logits, target[rows], stats.rows(start, end), spec.tf, tile_max)
         if grad is not None:

@@ -81,6 +81,12 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
     return "torch" if dtype == torch.float64 else backend
 
 
+def shifted_logits(opts: LossOptions, tile_stats) -> bool:
+    """Whether logits that came with ``tile_stats`` (``logits_triton.logits_with_tile_stats``) hold z less its
+    tile max, as that GEMM stores them without softcap (with softcap: the logits themselves)."""
+    return tile_stats is not None and opts.softcap is None
+
+
 def ce_chunk(
     backend: str,
     logits: torch.Tensor,

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..options import LossOptions
+from . import shifted_logits
 from .fast_exp_triton import exp_ftz
 from .softcap_triton import capped, capped_slope
 
@@ -407,8 +408,7 @@ def ce_chunk_triton(
         COMPUTE_ACC=correct is not None,
         MEAN_BY_COUNT=counts is not None,
         TILE_STATS=tile_stats is not None,
-        # What the logits GEMM stores without softcap (``logits_triton._store_shifted``): z less its tile max.
-        SHIFTED=tile_stats is not None and opts.softcap is None,
+        SHIFTED=shifted_logits(opts, tile_stats),
         TILE_N=tile_width(vocab, tile_stats[0].shape[1]) if tile_stats is not None else 1,
         BLOCK_V=block_v,
         BLOCK_T=min(triton.next_power_of_2(tile_stats[0].shape[1]), 1024) if tile_stats is not None else 1,
