@@ -54,14 +54,15 @@ def reference_loss(x, weight, target, *, linear_bias=None, weight_cls=None, redu
 
 
 def peaked_case(n: int, hidden: int, vocab: int, dtype: torch.dtype, device, bias: bool = False,
-                temperature: float = 1.0, std: float = 6.0, seed: int = 0):
+                temperature: float = 1.0, std: float = 6.0, seed: int = 0, softcap: float | None = None):
     """(x, w, b, target) with logits of std ``std`` (a trained model's spread) and targets drawn from their
-    softmax (the Gumbel-max trick in float64); x, w (and b) require grad, b is None without ``bias``."""
+    softmax (after temperature and softcap; the Gumbel-max trick in float64); x, w (and b) require grad, b is
+    None without ``bias``."""
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(n, hidden, device=device, generator=gen).to(dtype).requires_grad_()
     w = (torch.randn(vocab, hidden, device=device, generator=gen) * std / hidden**0.5).to(dtype).requires_grad_()
     b = torch.randn(vocab, device=device, generator=gen).to(dtype).requires_grad_() if bias else None
-    z, _ = reference_logits(x, w, b, temperature)
+    z, _ = reference_logits(x, w, b, temperature, softcap)
     gumbel = -torch.log(-torch.log(torch.rand(n, vocab, device=device, generator=gen, dtype=torch.float64)))
     return x, w, b, (z.detach() + gumbel).argmax(1)
 

@@ -451,7 +451,8 @@ def test_fused_block_gemm_with_the_lse_of_unrounded_logits(fused, opts):
 
 
 @needs_triton
-def test_peaked_logits_through_the_hopper_gemms(fused, blocks):
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_peaked_logits_through_the_hopper_gemms(fused, blocks, softcap):
     """Logits of a trained model's spread (std 6, targets drawn from the softmax), label smoothing (forward on the
     standard path): forward's logits GEMM stores them less their tile max, so its lse is that of the unrounded
     logits, and the blocks take their logits unrounded too (``LossParts.exact_lse``): 1.3-1.5x the 16-bit
@@ -459,11 +460,11 @@ def test_peaked_logits_through_the_hopper_gemms(fused, blocks):
     and the logits stored as such 6.5-7.7x."""
     blocks(128)
     dtype = torch.bfloat16 if ON_HOPPER else torch.float16
-    x, w, b, target = peaked_case(96, 32, 512, dtype, DEVICE, bias=True)
-    want, leaves = reference_loss(x, w, target, linear_bias=b, label_smoothing=0.1)
+    x, w, b, target = peaked_case(96, 32, 512, dtype, DEVICE, bias=True, softcap=softcap)
+    want, leaves = reference_loss(x, w, target, linear_bias=b, label_smoothing=0.1, softcap=softcap)
     exact = torch.autograd.grad(want, leaves)
     got = torch.autograd.grad(flce.linear_cross_entropy(x, w, target, linear_bias=b, label_smoothing=0.1,
-                                                        low_memory=True, backend="triton"),
+                                                        softcap=softcap, low_memory=True, backend="triton"),
                               (x, w, b))
     assert fused
     assert max(errors_in_roundings(got, exact, dtype)) <= 2.5

@@ -45,7 +45,7 @@ KERNELS = {
     "logits GEMM + statistics": (logits_triton._logits_stats_kernel,
                                  {"bias_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "M": "i32", "N": "i32",
                                   "K": "i32", "inv_temp": "fp32", "softcap": "fp32"},
-                                 dict(HAS_BIAS=False, HAS_SOFTCAP=False, OUTPUT=0, GROUP=8)),
+                                 dict(HAS_BIAS=False, HAS_SOFTCAP=False, HAS_SUM=True, OUTPUT=0, GROUP=8)),
     "plain persistent TMA GEMM": (_plain_gemm, {"M": "i32", "N": "i32", "K": "i32"}, {}),
 }
 

@@ -6,8 +6,9 @@ and weight. Kinds:
   ignored;
 - ``masked-mean``, shapes BT x H x V: ``reduction="none"`` rows, then (rows * mask).sum() / mask.sum() with 10%
   of the rows masked (the per-row grad_output path);
-- ``mean`` and ``smoothing``, shapes BT x H x V: ``flce.linear_cross_entropy``'s mean, without and with
-  ``label_smoothing=0.1`` (which keeps a single chunk on the standard path).
+- ``mean``, ``smoothing`` and ``softcap``, shapes BT x H x V: ``flce.linear_cross_entropy``'s mean, as such, with
+  ``label_smoothing=0.1`` (which keeps a single chunk on the standard path) and with ``softcap=30.0``;
+- ``log-probs``, shapes BT x H x V: ``flce.linear_log_probs``' mean log-prob (TRL's head without entropy).
 
 GPU only:
 
@@ -51,8 +52,16 @@ def mean_step(rows: int, hidden: int, vocab: int, **options):
     return lambda: torch.autograd.grad(flce.linear_cross_entropy(x, w, t, **options), (x, w))
 
 
+def log_probs_step(rows: int, hidden: int, vocab: int):
+    x = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda") * hidden**-0.5).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, vocab, (rows,), device="cuda")
+    return lambda: torch.autograd.grad(flce.linear_log_probs(x, w, t).log_probs.mean(), (x, w))
+
+
 KINDS = {"grouped": grouped_step, "masked-mean": masked_mean_step, "mean": mean_step,
-         "smoothing": lambda *shape: mean_step(*shape, label_smoothing=0.1)}
+         "smoothing": lambda *shape: mean_step(*shape, label_smoothing=0.1),
+         "softcap": lambda *shape: mean_step(*shape, softcap=30.0), "log-probs": log_probs_step}
 
 
 def step_times(step) -> tuple[list[float], float]:

@@ -2,9 +2,11 @@
 targets drawn from the softmax), on each path of the fused loss, beside eager PyTorch (bf16 logits, ``.float()``
 cross-entropy). A bf16 logit is off by up to |z| / 256, which every method that stores bf16 logits carries into
 its gradients. Prints each gradient's relative error as a multiple of the bf16 rounding of the exact gradient.
-GPU only; run it once per tree to compare two:
+With a softcap (Gemma 2's 30) the targets are still drawn from the uncapped softmax, and eager caps the float32
+logits. GPU only; run it once per tree to compare two (the argument picks cases by their rows or a word of
+their label):
 
-    PYTHONPATH=src:benchmark python benchmark/probes/peaked_logits_precision_probe.py [rows,rows,...]
+    PYTHONPATH=src:benchmark python benchmark/probes/peaked_logits_precision_probe.py [rows|word,...]
 """
 from __future__ import annotations
 
@@ -26,20 +28,35 @@ CASES = [
     ("8192 rows (one chunk, standard path)", 8192, {}, False),
     ("8192 rows, label_smoothing 0.1 (one chunk)", 8192, {"label_smoothing": 0.1}, True),
     ("32768 rows (6 chunks)", 32768, {}, True),
+    ("8192 rows, softcap 30 (one chunk)", 8192, {"softcap": 30.0}, True),
+    ("32768 rows, softcap 30 (6 chunks)", 32768, {"softcap": 30.0}, True),
 ]
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, smoothing: float = 0.0, rows: int = 1024):
+def reference(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, label_smoothing: float = 0.0,
+              softcap: float | None = None, rows: int = 1024):
     """d mean CE / d(x, w) in float64, chunk by chunk."""
     w64 = w.double()
     gx, gw = torch.empty(x.shape, dtype=torch.float64, device=x.device), torch.zeros_like(w64)
     for s in range(0, x.shape[0], rows):
         x_c, t_c = x[s:s + rows].double(), t[s:s + rows]
-        dz = torch.softmax(x_c @ w64.t(), 1) - smoothing / w.shape[0]
-        dz[torch.arange(x_c.shape[0], device=x.device), t_c] -= 1 - smoothing
+        r = x_c @ w64.t()
+        z = r if softcap is None else softcap * torch.tanh(r / softcap)
+        dz = torch.softmax(z, 1) - label_smoothing / w.shape[0]
+        dz[torch.arange(x_c.shape[0], device=x.device), t_c] -= 1 - label_smoothing
+        if softcap is not None:
+            dz *= torch.cosh(r / softcap).reciprocal_().square_()
         gx[s:s + rows] = dz @ w64
         gw.addmm_(dz.t(), x_c)
     return gx / x.shape[0], gw / x.shape[0]
+
+
+def eager(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, label_smoothing: float = 0.0,
+          softcap: float | None = None) -> torch.Tensor:
+    z = (x @ w.t()).float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return F.cross_entropy(z, t, label_smoothing=label_smoothing)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -54,19 +71,19 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     min_rows = exp_logits.MIN_ROWS
     for label, n, kw, exp_path in CASES:
-        if only and str(n) not in only:
+        if only and str(n) not in only and not any(o in label for o in only):
             continue
         for std in (1.0, 3.0, 6.0):
             x = torch.randn(n, H, device="cuda", generator=gen).to(torch.bfloat16)
             w = (torch.randn(V, H, device="cuda", generator=gen) * std * H**-0.5).to(torch.bfloat16)
             t = _sampled_targets(x, w, gen)
-            exact = reference(x, w, t, kw.get("label_smoothing", 0.0))
+            exact = reference(x, w, t, **kw)
             rounding = [rel(e.to(torch.bfloat16), e) for e in exact]
             exp_logits.MIN_ROWS = min_rows if exp_path else 1 << 40
             cells = []
             methods = [lambda a, b, t=t: flce.linear_cross_entropy(a, b, t, **kw)]
             if n <= EAGER_MAX_ROWS:
-                methods.append(lambda a, b, t=t: F.cross_entropy((a @ b.t()).float(), t, **kw))
+                methods.append(lambda a, b, t=t: eager(a, b, t, **kw))
             for fn in methods:
                 leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
                 got = torch.autograd.grad(fn(*leaves), leaves)

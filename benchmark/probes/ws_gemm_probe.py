@@ -43,7 +43,7 @@ def _logits_ws_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, max_ptr, sum_ptr, M, N, K
         m0, n0 = pid_m * BM, pid_n * BN
         acc, cols = tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS, BM, BN, BK)
         tile_epilogue(acc, cols, out_desc, max_ptr, sum_ptr, m0, n0, pid_n, grid_n, M, N, inv_temp, 1.0, False,
-                      OUTPUT)
+                      True, OUTPUT)
 
 
 @triton.jit

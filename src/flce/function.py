@@ -43,7 +43,7 @@ import torch
 from . import exp_logits, loss_only
 from .exp_logits import PendingExp
 from .gemm import bmm_into, column_sums_into, first_cols, mm_into, mm_new
-from .kernels import ce_chunk, math_dtype, shifted_logits
+from .kernels import ce_chunk, math_dtype
 from .kernels.scale import scale_into
 from .options import LossOptions
 from .planner import ChunkPlan
@@ -239,7 +239,7 @@ def chunk_loop(
                                        grads.bias)
                 continue
         logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend)
-        parts.exact_lse &= shifted_logits(opts, tile_stats)
+        parts.exact_lse &= tile_stats is not None
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
                  _take(parts.correct, rows), class_weight, weight_sum,
                  _take(ce_scale, rows) if row_scale else ce_scale, opts, counts, parts.total, tile_stats)
@@ -342,18 +342,22 @@ def settle_residual(grads: ChunkGrads, residual: torch.Tensor | None) -> None:
 
 
 def chunk_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,
-                 opts: LossOptions, backend: str) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+                 opts: LossOptions, backend: str, sums: bool = True,
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None] | None]:
     """A chunk's logits x_c @ w^T (+ bias), (n, V), into ``out`` or a new tensor, and the CE kernel's
-    (n, T) tile statistics when the fused Triton GEMM could compute them (``kernels.logits_triton``)."""
+    (n, T) tile statistics when the fused Triton GEMM could compute them (``kernels.logits_triton``): the
+    logits then hold r = logits / T less a shift per tile, which the tile maxima give; the tile sums only
+    with ``sums``."""
     if backend == "triton":
         from .kernels import logits_triton
 
         if logits_triton.supported(x_c, w, bias):
             n, vocab = x_c.shape[0], w.shape[0]
             logits = torch.empty(n, vocab, dtype=x_c.dtype, device=x_c.device) if out is None else out
-            stats = torch.empty(2, n, logits_triton.num_tiles(vocab), dtype=torch.float32, device=x_c.device)
-            logits_triton.logits_with_tile_stats(x_c, w, bias, logits, stats[0], stats[1], opts)
-            return logits, (stats[0], stats[1])
+            stats = torch.empty(1 + sums, n, logits_triton.num_tiles(vocab), dtype=torch.float32, device=x_c.device)
+            tile_sum = stats[1] if sums else None
+            logits_triton.logits_with_tile_stats(x_c, w, bias, logits, stats[0], tile_sum, opts)
+            return logits, (stats[0], tile_sum)
     if out is None:
         logits = torch.mm(x_c, w.t())
     else:

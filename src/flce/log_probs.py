@@ -28,7 +28,7 @@ from .checks import check_tensors, compute_dtype, raise_bad_targets
 from .distributed import is_dtensor
 from .function import ChunkGrads, chunk_logits, gradient_gemms, scale_grads, split_scale
 from .import_hooks import compile_disabled
-from .kernels import resolve_backend, shifted_logits
+from .kernels import resolve_backend
 from .kernels import token_stats as kernels
 from .kernels.targets import count_targets
 from .kernels.token_stats import FIELDS, RowStats, Transform
@@ -255,8 +255,8 @@ def chunk_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         x_c = _in_dtype(x[rows], spec.compute_dtype)
         # On Hopper the logits less their tile max (the loss's GEMM: far less rounding where p is not small)
         logits, tile_stats = chunk_logits(x_c, w, bias, None if buffer is None else buffer[:end - start], opts,
-                                          spec.backend)
-        tile_max = tile_stats[0] if shifted_logits(opts, tile_stats) else None
+                                          spec.backend, sums=False)  # the token kernels make their own sums
+        tile_max = None if tile_stats is None else tile_stats[0]
         if stats is not None:
             kernels.row_stats(spec.backend, logits, target[rows], stats.rows(start, end), spec.tf, tile_max)
         if grad is not None:

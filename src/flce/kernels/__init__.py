@@ -81,12 +81,6 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
     return "torch" if dtype == torch.float64 else backend
 
 
-def shifted_logits(opts: LossOptions, tile_stats) -> bool:
-    """Whether logits that came with ``tile_stats`` (``logits_triton.logits_with_tile_stats``) hold z less its
-    tile max, as that GEMM stores them without softcap (with softcap: the logits themselves)."""
-    return tile_stats is not None and opts.softcap is None
-
-
 def ce_chunk(
     backend: str,
     logits: torch.Tensor,
@@ -118,8 +112,8 @@ def ce_chunk(
             the mean loss, and the gradient it writes is not scaled (backward applies grad_scale).
         tile_stats: None, or the (n, T) float32 per-tile max and sum exp(z - max) that
             ``logits_triton.logits_with_tile_stats`` wrote with ``logits`` (triton only), which then hold
-            what that GEMM stores: z less its tile max, or the logits with softcap. The kernel takes each
-            row's lse from them and reads the values once.
+            what that GEMM stores: the logits / T less their tile max. The kernel takes each row's lse from
+            them and reads the values once.
     """
     if backend == "triton":
         from .ce_triton import ce_chunk_triton

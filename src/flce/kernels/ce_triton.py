@@ -3,8 +3,8 @@
 One program per row, two passes over the vocabulary in blocks: an online softmax (max, sum of
 exponentials, weighted sum of logits for smoothing, argmax for accuracy), then the gradient. Given the
 logits GEMM's per-tile statistics (``logits_triton.py``, Hopper), one pass: the lse comes from them,
-and the gradient pass also gathers what the loss needs; that GEMM stores each logit less its tile's max
-(without softcap), which the kernel adds back (``_write_row_grad_once``). All
+and the gradient pass also gathers what the loss needs; that GEMM stores each logit less its tile's max,
+which the kernel adds back (``load_z``). All
 arithmetic is float32 whatever the storage dtype of the logits. Runs on CUDA, and on the CPU under
 ``TRITON_INTERPRET=1`` (how CI tests it).
 """
@@ -19,9 +19,8 @@ import triton
 import triton.language as tl
 
 from ..options import LossOptions
-from . import shifted_logits
 from .fast_exp_triton import exp_ftz
-from .softcap_triton import capped, capped_slope
+from .softcap_triton import capped, capped_slope, tile_shift
 
 
 @triton.jit
@@ -55,17 +54,29 @@ def block_cols(start, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
 @triton.jit
 def load_z(row_ptr, tile_max_row, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr,
            SHIFTED: tl.constexpr, TILE_N: tl.constexpr):
-    """(z, dz / dr) of a ``block_cols`` block of a row's stored values. ``SHIFTED``: z less its tile max, as the
-    logits GEMM stores it without softcap (``logits_triton._store_shifted``), the max added back from the row's
-    tile maxima at ``tile_max_row`` (TILE_N columns a tile); else the logits r, z after temperature and softcap
-    (``capped_slope``; its placeholder slope without softcap)."""
+    """(z, dz / dr) of a ``block_cols`` block of a row's stored values (``capped_slope``; its placeholder slope
+    without softcap). ``SHIFTED``: r = logits / T less its tile's shift, as the logits GEMM stores it
+    (``logits_triton._store_shifted``), the shift added back from the row's tile maxima at ``tile_max_row``
+    (TILE_N columns a tile; ``tile_shift``); else the logits."""
     raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = inv_temp
     if SHIFTED:
-        z = raw + tl.load(tile_max_row + lead // TILE_N, mask=lead < V, other=0.0)[:, None]
-        slope = z  # no softcap: never read
-    else:
-        z, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
-    return z, slope
+        tile_max = tl.load(tile_max_row + lead // TILE_N, mask=lead < V, other=0.0)
+        raw += tile_shift(tile_max, softcap, HAS_SOFTCAP)[:, None]
+        scale = 1.0
+    return capped_slope(raw, scale, softcap, HAS_SOFTCAP)
+
+
+@triton.jit
+def load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr, SHIFTED: tl.constexpr,
+              TILE_N: tl.constexpr):
+    """z at column ``y`` of a row's stored values, as ``load_z`` reads them."""
+    raw = tl.load(row_ptr + y).to(tl.float32)
+    scale = inv_temp
+    if SHIFTED:
+        raw += tile_shift(tl.load(tile_max_row + y // TILE_N), softcap, HAS_SOFTCAP)
+        scale = 1.0
+    return capped(raw, scale, softcap, HAS_SOFTCAP)
 
 
 @triton.jit
@@ -95,13 +106,14 @@ def _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT: tl.c
 
 
 @triton.jit
-def _tile_stats_lse(max_ptr, sum_ptr, n_tiles, BLOCK_T: tl.constexpr):
-    """A row's log-sum-exp from the logits GEMM's per-tile (max, sum exp(z - max)) partials."""
+def _tile_stats_lse(max_ptr, sum_ptr, n_tiles, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A row's log-sum-exp from the logits GEMM's per-tile (max r, sum exp(z - max z)) partials, max z =
+    softcap(max r) (``logits_triton._store_shifted``)."""
     m = float("-inf")
     s = 0.0
     for start in range(0, n_tiles, BLOCK_T):
         t = start + tl.arange(0, BLOCK_T)
-        tile_max = tl.load(max_ptr + t, mask=t < n_tiles, other=float("-inf"))
+        tile_max = capped(tl.load(max_ptr + t, mask=t < n_tiles, other=float("-inf")), 1.0, softcap, HAS_SOFTCAP)
         tile_sum = tl.load(sum_ptr + t, mask=t < n_tiles, other=0.0)
         m_new = tl.maximum(m, tl.max(tile_max, 0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -156,19 +168,18 @@ def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coe
 def _write_row_grad_once(row_ptr, tile_max_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef,
                          smoothing_per_class, scale, keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr,
                          HAS_SMOOTHING: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                         COMPUTE_ACC: tl.constexpr, SHIFTED: tl.constexpr, TILE_N: tl.constexpr,
+                         COMPUTE_ACC: tl.constexpr, TILE_N: tl.constexpr,
                          WRITE: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
     """The only pass when lse is known beforehand (tile statistics): the gradient written over the row
-    (``WRITE``), and the sum of z and argmax that the loss and accuracy need, from the same read. ``SHIFTED``:
-    the values are z less the tile max (``load_z``: the row's (T,) tile maxima at ``tile_max_ptr``), else
-    the logits, taken through temperature and softcap."""
+    (``WRITE``), and the sum of z and argmax that the loss and accuracy need, from the same read. The values
+    are r less its tile's shift (``load_z``: the row's (T,) tile maxima at ``tile_max_ptr``)."""
     sum_z = 0.0
     best = float("-inf")
     best_idx = 0
     for start in range(0, V, BLOCK_V):
         lead, cols = block_cols(start, BLOCK_V, VEC)
         mask = cols < V
-        z_in, slope = load_z(row_ptr, tile_max_ptr, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP, SHIFTED,
+        z_in, slope = load_z(row_ptr, tile_max_ptr, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP, True,
                              TILE_N)
         z = tl.where(mask, z_in, float("-inf"))
         sum_z, best, best_idx = _extras(z_in, z, mask, cols, class_weight_ptr, sum_z, best, best_idx, HAS_WEIGHT,
@@ -233,7 +244,6 @@ def _ce_kernel(
     COMPUTE_ACC: tl.constexpr,
     MEAN_BY_COUNT: tl.constexpr,
     TILE_STATS: tl.constexpr,
-    SHIFTED: tl.constexpr,
     TILE_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -256,11 +266,7 @@ def _ce_kernel(
         y = tl.minimum(tl.maximum(y, 0), V - 1)  # safe index for ignored (or unchecked) targets
 
         tile_max_row = tile_max_ptr + row * n_tiles  # (T,) when TILE_STATS
-        z_y = tl.load(row_ptr + y).to(tl.float32)  # before pass 2 overwrites it
-        if SHIFTED:  # stored less its tile max (``logits_triton._store_shifted``)
-            z_y += tl.load(tile_max_row + y // TILE_N)
-        else:
-            z_y = capped(z_y, inv_temp, softcap, HAS_SOFTCAP)
+        z_y = load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP, TILE_STATS, TILE_N)  # before pass 2
         if HAS_WEIGHT:
             w_y = tl.load(class_weight_ptr + y).to(tl.float32)
             w_sum = tl.load(weight_sum_ptr).to(tl.float32)
@@ -268,13 +274,13 @@ def _ce_kernel(
             w_y = 1.0
             w_sum = V * 1.0
         if TILE_STATS:  # lse from the logits GEMM's epilogue: no pass for it
-            lse = _tile_stats_lse(tile_max_row, tile_sum_ptr + row * n_tiles, n_tiles, BLOCK_T)
+            lse = _tile_stats_lse(tile_max_row, tile_sum_ptr + row * n_tiles, n_tiles, softcap, HAS_SOFTCAP, BLOCK_T)
             sum_z = 0.0
             best_idx = 0
             if not COMPUTE_GRAD and (HAS_SMOOTHING or COMPUTE_ACC):
                 sum_z, best_idx = _write_row_grad_once(
                     row_ptr, tile_max_row, class_weight_ptr, V, y, lse, 0.0, 0.0, 0.0, 0.0, valid, inv_temp, softcap,
-                    HAS_WEIGHT, HAS_SMOOTHING, False, HAS_SOFTCAP, COMPUTE_ACC, SHIFTED, TILE_N, False, BLOCK_V, VEC)
+                    HAS_WEIGHT, HAS_SMOOTHING, False, HAS_SOFTCAP, COMPUTE_ACC, TILE_N, False, BLOCK_V, VEC)
         else:
             m, s, sum_z, best_idx = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT,
                                                HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V)
@@ -298,7 +304,7 @@ def _ce_kernel(
                 sum_z, best_idx = _write_row_grad_once(
                     row_ptr, tile_max_row, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y,
                     smoothing / V, scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
-                    HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, COMPUTE_ACC, SHIFTED, TILE_N, True, BLOCK_V, VEC)
+                    HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, COMPUTE_ACC, TILE_N, True, BLOCK_V, VEC)
             else:
                 _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y,
                                 smoothing / V, scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
@@ -408,7 +414,6 @@ def ce_chunk_triton(
         COMPUTE_ACC=correct is not None,
         MEAN_BY_COUNT=counts is not None,
         TILE_STATS=tile_stats is not None,
-        SHIFTED=shifted_logits(opts, tile_stats),
         TILE_N=tile_width(vocab, tile_stats[0].shape[1]) if tile_stats is not None else 1,
         BLOCK_V=block_v,
         BLOCK_T=min(triton.next_power_of_2(tile_stats[0].shape[1]), 1024) if tile_stats is not None else 1,

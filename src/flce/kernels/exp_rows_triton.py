@@ -57,7 +57,7 @@ def _row_loss(row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class
     valid = y != ignore_index
     bad = valid & ((y < 0) | (y >= V))  # an unchecked bad target: NaN loss and gradient, never a number
     y = tl.minimum(tl.maximum(y, 0), V - 1)
-    lse = _tile_stats_lse(tile_max_ptr + row * n_tiles, tile_sum_ptr + row * n_tiles, n_tiles, BLOCK_T)
+    lse = _tile_stats_lse(tile_max_ptr + row * n_tiles, tile_sum_ptr + row * n_tiles, n_tiles, softcap, HAS_SOFTCAP, BLOCK_T)
     dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)

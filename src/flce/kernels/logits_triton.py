@@ -2,8 +2,8 @@
 
 logits = x_c @ W^T (+ b) as a persistent Triton GEMM over TMA tensor descriptors. Each (BM, BN) output
 tile also yields, per row, the max and the sum of exp(z - max) of its BN logits z (after temperature and
-softcap, from the values as stored); it stores z less that max, where a logit that carries probability
-rounds to nearly nothing (``_store_shifted``). The CE kernel combines a row's tile partials into its
+softcap, from the values as stored); it stores the logits less their max over the tile, where a logit that
+carries probability rounds to nearly nothing (``_store_shifted``). The CE kernel combines a row's tile partials into its
 log-sum-exp and then reads each logit once (1 read + 1 write of the logits instead of 2 + 1). On an H100
 this GEMM ran 4% faster than cuBLAS at 4096 x 4096 x 128256 in isolation and ~2% under sustained load with
 the logits stored as such (benchmark/probes/logits_tma_gemm_probe.py); storing them less their tile max costs
@@ -23,7 +23,7 @@ from ..options import LossOptions
 from . import nvidia_major
 from .ce_triton import _sm_count
 from .fast_exp_triton import exp_ftz
-from .softcap_triton import capped
+from .softcap_triton import capped, tile_shift
 
 
 class TileConfig(NamedTuple):
@@ -71,7 +71,7 @@ def tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS: tl.constexpr, 
 
 @triton.jit
 def _logits_stats_kernel(x_desc, w_desc, out_desc, bias_ptr, max_ptr, sum_ptr, M, N, K, inv_temp, softcap,
-                         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, OUTPUT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SUM: tl.constexpr, OUTPUT: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                          PROGRAMS: tl.constexpr):
     grid_m, grid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
@@ -81,30 +81,25 @@ def _logits_stats_kernel(x_desc, w_desc, out_desc, bias_ptr, max_ptr, sum_ptr, M
         m0, n0 = pid_m * BM, pid_n * BN
         acc, cols = tile_logits(x_desc, w_desc, bias_ptr, m0, n0, N, K, HAS_BIAS, BM, BN, BK)
         tile_epilogue(acc, cols, out_desc, max_ptr, sum_ptr, m0, n0, pid_n, grid_n, M, N, inv_temp, softcap,
-                      HAS_SOFTCAP, OUTPUT)
+                      HAS_SOFTCAP, HAS_SUM, OUTPUT)
 
 
 @triton.jit
 def tile_epilogue(acc, cols, out_desc, max_ptr, sum_ptr, m0, n0, pid_n, grid_n, M, N, inv_temp, softcap,
-                  HAS_SOFTCAP: tl.constexpr, OUTPUT: tl.constexpr):
+                  HAS_SOFTCAP: tl.constexpr, HAS_SUM: tl.constexpr, OUTPUT: tl.constexpr):
     """What OUTPUT says of the float32 (BM, BN) tile ``acc`` at (m0, n0) stored through ``out_desc``, and
-    its rows' max and sum of exp(z - max) written at column ``pid_n`` of the (M, grid_n) statistics."""
+    its rows' max of r and (``HAS_SUM``) sum of exp(z - max z) written at column ``pid_n`` of the (M, grid_n)
+    statistics."""
     if OUTPUT == STORE_EXP:
         row_max, row_sum = _store_exp(acc, cols, out_desc, m0, n0, N, inv_temp)
-    elif OUTPUT == STORE_LOGITS and not HAS_SOFTCAP:
-        row_max, row_sum = _store_shifted(acc, cols, out_desc, m0, n0, N, inv_temp)
     else:
-        if OUTPUT == STORE_LOGITS:  # softcap: the raw logits (the CE kernel caps them as it reads)
-            out = acc.to(out_desc.dtype)
-            out_desc.store([m0, n0], out)
-            acc = out.to(tl.float32)  # statistics of the values the CE kernel will read back
-        z = tl.where(cols[None, :] < N, capped(acc, inv_temp, softcap, HAS_SOFTCAP), float("-inf"))
-        row_max = tl.max(z, 1)
-        row_sum = tl.sum(exp_ftz(z - row_max[:, None]), 1)
+        row_max, row_sum = _store_shifted(acc, cols, out_desc, m0, n0, N, inv_temp, softcap, HAS_SOFTCAP,
+                                          OUTPUT == STORE_LOGITS, HAS_SUM)
     rows = m0 + tl.arange(0, acc.shape[0])
     stat = rows.to(tl.int64) * grid_n + pid_n
     tl.store(max_ptr + stat, row_max, mask=rows < M)
-    tl.store(sum_ptr + stat, row_sum, mask=rows < M)
+    if HAS_SUM:
+        tl.store(sum_ptr + stat, row_sum, mask=rows < M)
 
 
 # What the GEMM writes besides its statistics: the logits (less their tile max: ``_store_shifted``), e = exp(z)
@@ -122,17 +117,33 @@ EXP_LOW = tl.constexpr(-80.0)
 
 
 @triton.jit
-def _store_shifted(acc, cols, out_desc, m0, n0, N, inv_temp):
-    """Store d = z - (the row's tile max), z = acc / T, and return each row's tile max and sum of exp(d) of d
-    as stored. A rounded logit is off by up to |z| 2^-9 in bf16: 2.3x the bf16 rounding of the exact
+def _store_shifted(acc, cols, out_desc, m0, n0, N, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr, STORE: tl.constexpr,
+                   SUM: tl.constexpr):
+    """Store d = r - shift, r = acc / T and shift = the row's max of r over the tile (``tile_shift``: with a
+    softcap at most a limit), if ``STORE``; return each row's tile max of r and (``SUM``) sum of exp(z - max z)
+    of the values as stored, z = softcap(d + shift) (z = r without softcap; softcap is increasing, so max z =
+    softcap(max r)). A rounded logit is off by up to |r| 2^-9 in bf16: 2.3x the bf16 rounding of the exact
     gradients at logits of std 3, 8.5x at std 6 (a trained model's), the error every method that stores bf16
     logits makes (benchmark/NOTES.md). Stored less its tile max, a logit that carries probability is off by
-    |z - max| 2^-9, near 0; the CE kernel adds the max back in float32 (``ce_triton``)."""
-    z = tl.where(cols[None, :] < N, acc * inv_temp, float("-inf"))
-    row_max = tl.max(z, 1)
-    d = (z - row_max[:, None]).to(out_desc.dtype)
-    out_desc.store([m0, n0], d)
-    return row_max, tl.sum(exp_ftz(d.to(tl.float32)), 1)
+    |r - max| 2^-9, near 0; the CE kernel adds the shift back in float32 (``ce_triton``)."""
+    valid = cols[None, :] < N
+    r = tl.where(valid, acc * inv_temp, float("-inf"))
+    row_max = tl.max(r, 1)
+    shift = tile_shift(row_max, softcap, HAS_SOFTCAP)[:, None]
+    d = r - shift
+    if STORE:
+        stored = d.to(out_desc.dtype)
+        out_desc.store([m0, n0], stored)
+        d = stored.to(tl.float32)
+    row_sum = row_max  # without SUM: the caller takes the shift alone (``log_probs``)
+    if SUM:
+        if HAS_SOFTCAP:  # one tanh per logit
+            z = tl.where(valid, capped(d + shift, 1.0, softcap, HAS_SOFTCAP), float("-inf"))
+            e = exp_ftz(z - capped(row_max, 1.0, softcap, HAS_SOFTCAP)[:, None])
+        else:
+            e = exp_ftz(d)
+        row_sum = tl.sum(e, 1)
+    return row_max, row_sum
 
 
 @triton.jit
@@ -192,21 +203,21 @@ def logits_with_tile_stats(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     tile_max: torch.Tensor,
-    tile_sum: torch.Tensor,
+    tile_sum: torch.Tensor | None,
     opts: LossOptions,
     store_exp: bool = False,
 ) -> None:
-    """Per row and tile of ``block_n`` columns the max and sum of exp(z - max) of the logits z = (x_c @
-    weight^T (+ bias)) / T after softcap, and in out: z less its row's tile max (``_store_shifted``; the
-    statistics are those of the values as stored), or with softcap the logits x_c @ weight^T (+ bias)
-    themselves (the CE kernel takes softcap's derivative of them: ``ce_triton``). With ``store_exp`` (no
+    """Per row and tile of ``block_n`` columns, of the logits r = (x_c @ weight^T (+ bias)) / T: in out, r
+    less the row's tile max of r (with a softcap, at most a limit: ``softcap_triton.tile_shift``); in
+    tile_max, that max; in tile_sum (if given), the sum of exp(z - max z) with z = softcap(r) (z = r without
+    softcap), of the values as stored (``_store_shifted``). With ``store_exp`` (no
     softcap), out = exp(z) instead (exp(z - tile max) in rows whose tile max lies outside [EXP_LOW,
     EXP_HIGH]), from z unrounded, and the statistics are those of the unrounded z (``exp_logits.py``).
 
     Shapes: x_c (n, H), weight (V, H), bias (V,) or None, out (n, V) in x_c's dtype,
     tile_max / tile_sum (n, num_tiles(V)) float32 contiguous. Check ``supported`` first.
     """
-    assert not (store_exp and opts.softcap is not None), "store_exp takes no softcap"
+    assert not (store_exp and (opts.softcap is not None or tile_sum is None)), "store_exp: sums, no softcap"
     _launch(x_c, weight, bias, out, tile_max, tile_sum, opts, STORE_EXP if store_exp else STORE_LOGITS)
 
 
@@ -233,7 +244,7 @@ def _launch(x_c, weight, bias, out, tile_max, tile_sum, opts: LossOptions, outpu
         x_desc if out is None else TensorDescriptor.from_tensor(out, [bm, bn]),  # never written without out
         bias if bias is not None else tile_max,
         tile_max,
-        tile_sum,
+        tile_max if tile_sum is None else tile_sum,  # never written without tile_sum
         n,
         vocab,
         hidden,
@@ -241,6 +252,7 @@ def _launch(x_c, weight, bias, out, tile_max, tile_sum, opts: LossOptions, outpu
         float(opts.softcap or 1.0),
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=opts.softcap is not None,
+        HAS_SUM=tile_sum is not None,
         OUTPUT=output,
         BM=bm,
         BN=bn,

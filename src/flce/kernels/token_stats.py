@@ -47,8 +47,7 @@ def row_stats(backend: str, logits: torch.Tensor, target: torch.Tensor, out: Row
               tile_max: torch.Tensor | None = None) -> None:
     """Write ``out``'s fields for each row of ``logits`` (n, V) (rows contiguous, V >= 1), reading it once.
     target: (n,) int64. ``tile_max``: None, or (n, T) float32 (triton only) when ``logits`` hold what the
-    Hopper logits GEMM stores without softcap: z (after temperature) less the max of its tile
-    (``logits_triton.logits_with_tile_stats``)."""
+    Hopper logits GEMM stores: the logits / T less the max of its tile (``logits_triton.logits_with_tile_stats``)."""
     if backend == "triton":
         from .token_stats_triton import row_stats_triton
 

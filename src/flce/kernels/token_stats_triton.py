@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ce_triton import block_cols, load_z, tile_width
-from .softcap_triton import capped
+from .ce_triton import block_cols, load_z, load_z_at, tile_width
 from .token_stats import RowStats, Transform
 
 # Vocabulary columns per step, rows per SM in the grid, warps (the CE kernel's tuned defaults).
@@ -82,11 +81,7 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
         lse = m + log_s
         tl.store(lse_ptr + row, tl.where(valid, lse + poison, 0.0))
         if HAS_LOG_PROBS:
-            z_y = tl.load(row_ptr + y).to(tl.float32)
-            if SHIFTED:
-                z_y += tl.load(tile_max_row + y // TILE_N)
-            else:
-                z_y = capped(z_y, inv_temp, softcap, HAS_SOFTCAP)
+            z_y = load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP, SHIFTED, TILE_N)
             tl.store(log_probs_ptr + row, tl.where(valid, z_y - lse + poison, 0.0))
         if HAS_ENTROPY:
             tl.store(entropy_ptr + row, tl.where(valid, log_s - a / s + poison, 0.0))
