@@ -22,7 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from reference import TOL, DropGrad, assert_close, reference_loss, rel_err
+from conftest import ON_HOPPER
+from reference import TOL, DropGrad, assert_close, errors_in_roundings, peaked_case, reference_loss, rel_err
 from test_api import OPTION_SETS, make_case
 
 import flce
@@ -228,6 +229,81 @@ def test_bf16_grad_input_as_precise_as_one_device(cluster2, sizes):
     for rank, res in enumerate(results):
         err, one = res["errs"]["grad_input"], res["one_errs"]["grad_input"]
         assert err <= 1.02 * one, f"rank {rank}: grad_input error {err:.3g} against one device's {one:.3g}"
+
+
+@contextlib.contextmanager
+def _hopper_gemm(calls: list, device: torch.device, off: bool = False):
+    """flce's Hopper logits GEMM, its calls counted into ``calls``; on the CPU let run under the interpreter
+    (small tiles, fp16); ``off``: never taken (every chunk's logits from cuBLAS)."""
+    import flce.kernels.logits_triton as lt
+
+    saved = lt.ALLOW_INTERPRETER, lt.MIN_ROWS, lt.TILE, lt.logits_with_tile_stats
+    if device.type == "cpu":
+        lt.ALLOW_INTERPRETER, lt.MIN_ROWS, lt.TILE = True, 8, lt.TileConfig(32, 64, 16, 2, 4, 4)
+    if off:
+        lt.MIN_ROWS = 1 << 40
+    lt.logits_with_tile_stats = lambda *a, **k: calls.append(1) or saved[3](*a, **k)
+    try:
+        yield
+    finally:
+        lt.ALLOW_INTERPRETER, lt.MIN_ROWS, lt.TILE, lt.logits_with_tile_stats = saved
+
+
+def _hopper_gemm_case(rank, world, device=CPU, **kw):
+    calls = []
+    with _hopper_gemm(calls, device):
+        out = vocab_parallel_case(rank, world, backend="triton", device=device, **kw)
+    return dict(out, calls=len(calls))
+
+
+needs_interpreted_triton = pytest.mark.skipif(not triton_available(CPU),
+                                              reason="needs TRITON_INTERPRET=1 before triton is imported")
+
+
+@needs_interpreted_triton
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("name", ["plain", "all"])
+def test_hopper_gemm_on_each_shard(cluster2, name, reduction):
+    """Each rank's logits from flce's GEMM, stored less their tile's shift, with the tile statistics in stage 1
+    (every option: softcap, smoothing's sum, class weights, a bias shard): fp16 against float64. Each chunk
+    GEMM'd once in forward, and again in backward for reduction="none": 40 rows in three chunks of 16, or two
+    once the ignored rows of "all" are dropped (30 left)."""
+    results = cluster2.run(_hopper_gemm_case, sizes=(200, 184), dtype=torch.float16, shape=(40,), hidden=32,
+                           chunk_size=16, reduction=reduction, **dict(OPTION_SETS[name]))
+    _assert_all_close(results, torch.float16)
+    chunks = 2 if name == "all" else 3
+    assert all(res["calls"] == chunks * (2 if reduction == "none" else 1) for res in results), results
+
+
+def _peaked_case(rank, world, *, sizes, hopper_gemm, device=CPU, dtype=torch.float16, rows=96, hidden=32,
+                 chunk_size=32):
+    """Errors (x the 16-bit rounding of the exact gradients) of this rank's grad_input and weight-shard gradient
+    with logits of a trained model's spread (std 6, targets drawn from the softmax), and the GEMM's calls."""
+    x, w, _, t = peaked_case(rows, hidden, sum(sizes), dtype, device)
+    want, (x64, w64, _) = reference_loss(x, w, t)
+    exact = torch.autograd.grad(want, (x64, w64))
+    start, end = _bounds(sizes, rank)
+    w_shard = w.detach()[start:end].clone().requires_grad_()
+    calls = []
+    with _hopper_gemm(calls, device, off=not hopper_gemm):
+        loss = vocab_parallel_linear_cross_entropy(x, w_shard, t, backend="triton", chunk_size=chunk_size)
+        got = torch.autograd.grad(loss, (x, w_shard))
+    return errors_in_roundings(got, (exact[0], exact[1][start:end]), dtype), len(calls)
+
+
+def _assert_peaked(fused, plain, chunks):
+    for rank, ((errs, calls), (plain_errs, _)) in enumerate(zip(fused, plain)):
+        assert calls == chunks and max(errs) <= 2.5, (rank, errs, calls)
+        assert all(e <= p / 2 for e, p in zip(errs, plain_errs)), (rank, errs, plain_errs)
+
+
+@needs_interpreted_triton
+def test_peaked_logits_on_each_shard(cluster2):
+    """The logits stored less their tile max keep the gradients near the fp16 rounding (1.3-1.5x here), where
+    the shards' cuBLAS logits carry their rounding into them (~7x), as on one device."""
+    fused = cluster2.run(_peaked_case, sizes=(256, 256), hopper_gemm=True)
+    plain = cluster2.run(_peaked_case, sizes=(256, 256), hopper_gemm=False)
+    _assert_peaked(fused, plain, chunks=3)
 
 
 def _mean_scale_case(rank, world, *, chunk_size, g, temperature):
@@ -572,6 +648,33 @@ def test_vocab_parallel_on_gpus_with_nccl(nccl_cluster, dtype, reduction, name):
                                reduction=reduction, backend="triton", device=torch.device("cuda"),
                                chunk_size=128, **dict(OPTION_SETS[name]))
     _assert_all_close(results, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("name", ["plain", "all"])
+def test_gpu_hopper_gemm_on_each_shard(nccl_cluster, name, reduction):
+    """bf16 shards of 4096 columns through flce's GEMM where a chunk has 256 rows or more (Hopper; with "all"'s
+    ignored rows dropped the last chunk may have fewer: cuBLAS there), every option."""
+    if not ON_HOPPER:
+        pytest.skip("needs Hopper (TMA)")
+    results = nccl_cluster.run(_hopper_gemm_case, sizes=(4096,) * nccl_cluster.world, dtype=torch.bfloat16,
+                               shape=(1000,), hidden=256, chunk_size=512, reduction=reduction,
+                               device=torch.device("cuda"), **dict(OPTION_SETS[name]))
+    _assert_all_close(results, torch.bfloat16)
+    least = (2 if name == "plain" else 1) * (2 if reduction == "none" else 1)
+    assert all(res["calls"] >= least for res in results), results
+
+
+@pytest.mark.gpu
+def test_gpu_peaked_logits_on_each_shard(nccl_cluster):
+    """bf16 at 1024 rows x 256 x 4096 columns a rank, two chunks: as the CPU test, on the GPUs' own GEMM."""
+    if not ON_HOPPER:
+        pytest.skip("needs Hopper (TMA)")
+    kw = dict(sizes=(4096,) * nccl_cluster.world, device=torch.device("cuda"), dtype=torch.bfloat16, rows=1024,
+              hidden=256, chunk_size=512)
+    _assert_peaked(nccl_cluster.run(_peaked_case, hopper_gemm=True, **kw),
+                   nccl_cluster.run(_peaked_case, hopper_gemm=False, **kw), chunks=2)
 
 
 @pytest.fixture(scope="module")

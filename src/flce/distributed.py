@@ -6,7 +6,9 @@ all-reduces (MAX of the row maxima, then one SUM of [sum of exp rescaled to the 
 logit, smoothing sum]); each rank then writes its slice's gradient over its logits and runs the
 grad_weight GEMM for its rows of W. grad_input is the sum over ranks of dlogits @ W_shard: one
 all-reduce over the whole grad_input at the end, in float32 for 16-bit inputs (rounded once). Neither
-logits nor weights travel.
+logits nor weights travel. On Hopper each rank's logits come from flce's GEMM as on one device
+(``function.chunk_logits``): stored less their tile max, with statistics that stage 1 reads instead of the
+logits.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_and_compact, check_class_weight, check_tensors, compute_dtype, flat_targets
-from .function import (ChunkGrads, LossParts, finish_forward, not_twice_differentiable, release, scale_grads,
-                       scaled_operand, settle_residual, split_scale, take_grads)
+from .function import (ChunkGrads, LossParts, chunk_logits, finish_forward, not_twice_differentiable, release,
+                       scale_grads, scaled_operand, settle_residual, split_scale, take_grads)
 from .gemm import column_sums_into, mm_into
 from .import_hooks import compile_disabled
 from .kernels import math_dtype, resolve_backend
@@ -295,16 +297,16 @@ def _chunk_loop(
     for i, (start, end) in enumerate(plan.bounds()):
         chunk = slice(start, end)
         x_c = x[chunk].to(setup.compute_dtype)
-        logits = buffer[: end - start]
-        torch.mm(x_c, w.t(), out=logits)
-        if bias is not None:
-            logits.add_(bias)
+        # On Hopper the logits less their tile max, as on one device (far less rounding where p is not small)
+        logits, tile_stats = chunk_logits(x_c, w, bias, buffer[: end - start], setup.opts, setup.backend,
+                                          sums=saved_lse is None)
         if saved_lse is None:
-            _agree_on_softmax(logits, rows, classes, setup, parts, chunk)
+            _agree_on_softmax(logits, rows, classes, setup, parts, chunk, tile_stats)
         if not grad:
             continue
         scale = ce_scale[chunk] if ce_scale.dim() == 1 else ce_scale.expand(end - start)
-        _write_grad(logits, rows, classes, setup, parts.lse[chunk], scale, chunk)
+        _write_grad(logits, rows, classes, setup, parts.lse[chunk], scale, chunk,
+                    None if tile_stats is None else tile_stats[0])
         rows_residual = residual[chunk, None] if per_row else residual
         if need_x:
             mm_into(grads.input[chunk], logits, w, accumulate=False)
@@ -325,11 +327,11 @@ def _chunk_loop(
 
 
 def _agree_on_softmax(logits, rows: _Rows, classes: _Classes, setup: _Setup, parts: LossParts,
-                      chunk: slice) -> None:
+                      chunk: slice, tile_stats=None) -> None:
     """Partial statistics, two all-reduces, then loss, lse (and hits) of the chunk's rows."""
     opts, vocab = setup.opts, setup.layout.vocab
     stats = torch.zeros(STATS, logits.shape[0], dtype=parts.lse.dtype, device=logits.device)
-    shard_stats(setup.backend, logits, rows.local[chunk], classes.local, opts, stats)
+    shard_stats(setup.backend, logits, rows.local[chunk], classes.local, opts, stats, tile_stats)
     row_max = stats[ROW_MAX].clone()
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=setup.group)
     stats[SUM_EXP] *= torch.exp(stats[ROW_MAX] - row_max)  # 0 for an empty shard (its max is -inf)
@@ -349,7 +351,8 @@ def _agree_on_softmax(logits, rows: _Rows, classes: _Classes, setup: _Setup, par
         parts.correct[chunk] = (valid & (z_y >= row_max)).float()
 
 
-def _write_grad(logits, rows: _Rows, classes: _Classes, setup: _Setup, lse, scale, chunk: slice) -> None:
+def _write_grad(logits, rows: _Rows, classes: _Classes, setup: _Setup, lse, scale, chunk: slice,
+                tile_max=None) -> None:
     """dz over this shard's columns, with the per-row coefficients of the full softmax."""
     opts, vocab = setup.opts, setup.layout.vocab
     eps = opts.label_smoothing
@@ -359,7 +362,7 @@ def _write_grad(logits, rows: _Rows, classes: _Classes, setup: _Setup, lse, scal
     if rows.poison is not None:  # NaN, not 0, so the kernels write NaN over the row
         scale = scale + rows.poison[chunk]
     shard_grad(setup.backend, logits, rows.local[chunk], classes.local, lse.contiguous(), extra_coef.contiguous(),
-               target_coef.contiguous(), scale.contiguous(), eps / vocab, opts)
+               target_coef.contiguous(), scale.contiguous(), eps / vocab, opts, tile_max)
 
 
 class VocabParallelFunction(torch.autograd.Function):

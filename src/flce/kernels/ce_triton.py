@@ -109,6 +109,14 @@ def _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT: tl.c
 def _tile_stats_lse(max_ptr, sum_ptr, n_tiles, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_T: tl.constexpr):
     """A row's log-sum-exp from the logits GEMM's per-tile (max r, sum exp(z - max z)) partials, max z =
     softcap(max r) (``logits_triton._store_shifted``)."""
+    m, s = tile_stats_max_sum(max_ptr, sum_ptr, n_tiles, softcap, HAS_SOFTCAP, BLOCK_T)
+    return m + tl.log(s)
+
+
+@triton.jit
+def tile_stats_max_sum(max_ptr, sum_ptr, n_tiles, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A row's max of z and sum of exp(z - max) from the logits GEMM's per-tile partials (see
+    ``_tile_stats_lse``): -inf and 0 for no tiles."""
     m = float("-inf")
     s = 0.0
     for start in range(0, n_tiles, BLOCK_T):
@@ -119,7 +127,7 @@ def _tile_stats_lse(max_ptr, sum_ptr, n_tiles, softcap, HAS_SOFTCAP: tl.constexp
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - m_ref) + tl.sum(tl.where(tile_sum > 0.0, tile_sum * tl.exp(tile_max - m_ref), 0.0), 0)
         m = m_new
-    return m + tl.log(s)
+    return m, s
 
 
 @triton.jit

@@ -30,11 +30,14 @@ def shard_stats(
     class_weight: torch.Tensor | None,
     opts: LossOptions,
     out: torch.Tensor,
+    tile_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Partial softmax statistics of this rank's columns.
 
     Args:
-        logits: (n, V_local) raw logits (before temperature and softcap), rows contiguous.
+        logits: (n, V_local) raw logits (before temperature and softcap), rows contiguous; with
+            ``tile_stats`` (triton only) what ``logits_triton.logits_with_tile_stats`` wrote with them:
+            r = logits / T less its tile's shift, and the (n, T) tile maxima and sums.
         target_local: (n,) int64 column of the target in this shard, -1 where it is not here.
         class_weight: (V_local,) slice of the class weights (in the math dtype), or None.
         out: (4, n) float32 (float64 for float64 logits), written: row max of z, sum of exp(z - max),
@@ -50,8 +53,9 @@ def shard_stats(
     if backend == "triton":
         from .ce_vocab_parallel_triton import shard_stats_triton
 
-        shard_stats_triton(logits, target_local, class_weight, opts, out)
+        shard_stats_triton(logits, target_local, class_weight, opts, out, tile_stats)
     else:
+        assert tile_stats is None, "tile statistics come with the triton backend only"
         _shard_stats_torch(logits, target_local, class_weight, opts, out)
 
 
@@ -66,6 +70,7 @@ def shard_grad(
     scale: torch.Tensor,
     smoothing_per_class: float,
     opts: LossOptions,
+    tile_max: torch.Tensor | None = None,
 ) -> None:
     """Overwrite this rank's logits with the gradient of the loss with respect to them.
 
@@ -76,7 +81,8 @@ def shard_grad(
     chained through softcap, times ``scale``. Rows whose scale is 0 get exact zeros.
 
     Args:
-        logits: (n, V_local) raw logits, overwritten. target_local: (n,) int64, -1 if not here.
+        logits: (n, V_local) raw logits (or, with ``tile_max``, as in ``shard_stats``), overwritten.
+            target_local: (n,) int64, -1 if not here.
         class_weight: (V_local,) or None (w_j = 1). lse, extra_coef, target_coef, scale: (n,), all in the
             math dtype (float32, float64 for float64 logits); ``scale`` already holds grad_output /
             temperature (0 on ignored rows, NaN on rows whose unchecked target is outside [0, V)).
@@ -87,8 +93,9 @@ def shard_grad(
         from .ce_vocab_parallel_triton import shard_grad_triton
 
         shard_grad_triton(logits, target_local, class_weight, lse, extra_coef, target_coef, scale,
-                          smoothing_per_class, opts)
+                          smoothing_per_class, opts, tile_max)
     else:
+        assert tile_max is None, "tile statistics come with the triton backend only"
         _shard_grad_torch(logits, target_local, class_weight, lse, extra_coef, target_coef, scale,
                           smoothing_per_class, opts)
 

@@ -184,9 +184,10 @@ def hopper(device: torch.device) -> bool:
 
 def supported(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether this path can run the chunk (Hopper or newer, 16-bit floats, TMA-able layouts, a unit-stride
-    bias, enough rows). The logits rows must then be 16-byte aligned too (V % 8 == 0)."""
+    bias, enough rows, a vocabulary). The logits rows must then be 16-byte aligned too (V % 8 == 0)."""
     return (
         x_c.shape[0] >= MIN_ROWS
+        and weight.shape[0] > 0
         and x_c.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x_c.dtype
         and weight.shape[0] % 8 == 0
