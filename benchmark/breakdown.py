@@ -20,7 +20,8 @@ from flce.options import LossOptions
 from flce.planner import plan_chunks
 
 
-def median_ms(fn, reps=10, warmup=3):
+def event_times(fn, reps=10, warmup=3) -> list[float]:
+    """Sorted CUDA-event times of ``reps`` calls of fn (ms), after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -31,7 +32,11 @@ def median_ms(fn, reps=10, warmup=3):
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return sorted(times)
+
+
+def median_ms(fn, reps=10, warmup=3):
+    return statistics.median(event_times(fn, reps, warmup))
 
 
 def stages(bt, hidden, vocab, dtype=torch.bfloat16):

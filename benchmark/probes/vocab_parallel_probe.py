@@ -12,6 +12,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from breakdown import event_times
 from suite_lce import _sampled_targets
 
 import flce
@@ -56,15 +57,7 @@ def main(rows: int) -> None:
         exact = exact_grads(x, w, t, start, end)
         errs = " / ".join(f"{rel(g, e) / rel(e.bfloat16(), e):.3f}" for g, e in zip(got, exact))
         del exact
-        times = []
-        for _ in range(23):
-            begin, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            step()
-            stop.record()
-            torch.cuda.synchronize()
-            times.append(begin.elapsed_time(stop))
-        times = sorted(times[3:])
+        times = event_times(step, reps=20)
         if rank == 0:
             print(f"{flce.__file__} {rows} x {H} x {V} over {world} GPUs, logit std {std:g}: median "
                   f"{times[len(times) // 2]:.3f} ms, best {times[0]:.3f}; grad_input / grad_weight shard "
