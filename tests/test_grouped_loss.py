@@ -3,10 +3,14 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import TOL, assert_close, reference_loss, rel_err
+from conftest import DEVICE, HOPPER_DTYPE, ON_HOPPER
+from reference import TOL, assert_close, errors_in_roundings, reference_loss, rel_err
 
 import flce
 from flce import grouped_loss
+from flce.kernels import triton_available
+
+needs_triton = pytest.mark.skipif(not triton_available(DEVICE), reason="triton cannot run here")
 
 OPTIONS = {
     "plain": {},
@@ -257,7 +261,7 @@ def test_positions_ignored_everywhere_are_skipped(backend, device, monkeypatch, 
     t.index_fill_(dim, torch.tensor([0, 4, 5], device=device), -100)  # three positions ignored in every group
     seen = []
     real = grouped_loss.ce_chunk
-    monkeypatch.setattr(grouped_loss, "ce_chunk", lambda *a: seen.append(a[1].shape[0]) or real(*a))
+    monkeypatch.setattr(grouped_loss, "ce_chunk", lambda *a, **k: seen.append(a[1].shape[0]) or real(*a, **k))
     results = []
     g = torch.randn(t.shape, device=device)
     for validate in (True, False):
@@ -283,7 +287,7 @@ def test_chunks_never_hold_all_logits(device, monkeypatch):
     B, G, chunk = 11, 3, 4
     seen = []
     real = grouped_loss.ce_chunk
-    monkeypatch.setattr(grouped_loss, "ce_chunk", lambda *a: seen.append(tuple(a[1].shape)) or real(*a))
+    monkeypatch.setattr(grouped_loss, "ce_chunk", lambda *a, **k: seen.append(tuple(a[1].shape)) or real(*a, **k))
     x, w, _, t, _ = make_case(B, G, 8, 30, torch.float32, device)
     flce.grouped_linear_cross_entropy(x, w, t, chunk_size=chunk).backward()
     assert seen == [(G * 4, 30), (G * 4, 30), (G * 3, 30)]
@@ -394,3 +398,61 @@ def test_gpu_real_shape_bf16(group_major):
     assert_close(loss, ref, TOL[torch.bfloat16], "loss")
     for name, got, want in zip(("x", "w"), (x.grad, w.grad), ref_grads()):
         assert_close(got, want, TOL[torch.bfloat16], name)
+
+
+# ---------------------------------------------------------------- flce's Hopper logits GEMM, one per group
+
+@pytest.fixture
+def hopper_gemm(monkeypatch):
+    """Let flce's Hopper logits GEMM run on these small shapes (under the interpreter on a CPU: small tiles,
+    fp16); count its calls."""
+    lt = pytest.importorskip("flce.kernels.logits_triton")
+    monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
+    monkeypatch.setattr(lt, "MIN_ROWS", 8)
+    if not ON_HOPPER:
+        monkeypatch.setattr(lt, "TILE", lt.TileConfig(32, 64, 16, 2, 4, 4))
+    calls = []
+    real = lt.logits_with_tile_stats
+    monkeypatch.setattr(lt, "logits_with_tile_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["plain", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("group_major", [False, True])
+def test_through_the_hopper_gemm(hopper_gemm, name, reduction, group_major):
+    """Each group's logits from flce's GEMM, stored less their tile max, read once by the CE kernel with the
+    tile statistics: every option against float64, both layouts (a batch-major x_c[g] is a strided view)."""
+    check("triton", DEVICE, B=40, G=3, hidden=32, vocab=600, dtype=HOPPER_DTYPE, group_major=group_major,
+          reduction=reduction, chunk_size=16, **dict(OPTIONS[name]))
+    assert hopper_gemm and len(hopper_gemm) % 3 == 0  # every group of every chunk
+    if name == "plain":  # 40 positions in chunks of 16, once more in backward for reduction="none"
+        assert len(hopper_gemm) == 3 * 3 * (2 if reduction == "none" else 1)
+
+
+@needs_triton
+@pytest.mark.parametrize("chunk_size", [None, 32])
+def test_peaked_logits_through_the_hopper_gemm(monkeypatch, hopper_gemm, chunk_size):
+    """Logits of a trained model's spread (std 6, targets drawn from each head's softmax): the heads' GEMMs
+    store them less their tile max, so the gradients stay near the 16-bit rounding (1.3-1.6x here), where
+    one batched cuBLAS GEMM's rounded logits read ~8x, as the one-head loss's."""
+    import flce.kernels.logits_triton as lt
+
+    B, G, H, V = 96, 2, 32, 512
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(B, G, H, device=DEVICE, generator=gen).to(HOPPER_DTYPE).requires_grad_()
+    w = (torch.randn(G, V, H, device=DEVICE, generator=gen) * 6 / H**0.5).to(HOPPER_DTYPE).requires_grad_()
+    z = torch.einsum("bgh,gvh->bgv", x.double(), w.double())
+    gumbel = -torch.log(-torch.log(torch.rand(B, G, V, device=DEVICE, generator=gen, dtype=torch.float64)))
+    t = (z + gumbel).argmax(-1)
+    ref, ref_grads = grouped_reference(x, w, None, t, None, False)
+    ref.backward()
+    exact = ref_grads()[:2]
+    errs = {}
+    for min_rows in (8, 1 << 40):  # flce's GEMM, then cuBLAS's bmm
+        monkeypatch.setattr(lt, "MIN_ROWS", min_rows)
+        loss = flce.grouped_linear_cross_entropy(x, w, t, chunk_size=chunk_size, backend="triton")
+        errs[min_rows] = errors_in_roundings(torch.autograd.grad(loss, (x, w)), exact, HOPPER_DTYPE)
+    assert hopper_gemm and max(errs[8]) <= 2.5
+    assert all(e <= c / 2 for e, c in zip(errs[8], errs[1 << 40]))

@@ -3,7 +3,8 @@
 Multi-token prediction or per-group heads: group g of every batch position is projected by its own
 head ``W[g]`` (V x H). The chunk loop is the core's (function.py) with each GEMM batched over the
 groups: a chunk of ``c`` batch positions holds (G, c, V) logits in one contiguous buffer, which the
-cross-entropy kernel sees as G*c ordinary rows. The grad_weight GEMM of a chunk is G GEMMs with K = c,
+cross-entropy kernel sees as G*c ordinary rows. On Hopper the logits come from flce's GEMM, one launch
+per group, stored less their tile max as the core's (``_group_logits``). The grad_weight GEMM of a chunk is G GEMMs with K = c,
 so chunks are sized per group exactly like the core's (``plan_chunks`` with a G*V-wide "vocabulary").
 Batch-major inputs are read and their gradients written through (G, B, ·) views (see grouped.py).
 
@@ -245,9 +246,7 @@ def grouped_chunk_loop(
         n = groups * (end - start)
         x_c = x_gm[:, start:end].to(compute_dtype)  # (G, c, H) view
         logits = logits_buffer[: n * vocab].view(groups, end - start, vocab)
-        torch.bmm(x_c, w.transpose(1, 2), out=logits)
-        if bias is not None:
-            logits.add_(bias[:, None, :])
+        tile_stats = _group_logits(x_c, w, bias, logits, opts, backend)
         loss_c, lse_c, correct_c = token_buffer[:, :n]
         if per_token:
             scale = gm(grad_scale)[:, start:end].reshape(-1).contiguous()
@@ -266,6 +265,7 @@ def grouped_chunk_loop(
             weight_sum,
             scale if grad else None,
             opts,
+            tile_stats=tile_stats,
         )
         for full, chunk in zip((parts.loss, parts.lse, parts.correct), (loss_c, lse_c, correct_c)):
             if full is not None:
@@ -291,6 +291,30 @@ def grouped_chunk_loop(
     elif per_group:
         parts.total = (gm(parts.loss) * grad_scale[:, None]).sum()
     return parts, grads
+
+
+def _group_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, logits: torch.Tensor,
+                  opts: LossOptions, backend: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A chunk's (G, c, V) logits into ``logits``: on Hopper one of flce's GEMMs per group, which stores them less
+    their tile max (``kernels.logits_triton``; then returns the (G * c, T) tile maxima and sums the CE kernel
+    reads), else one batched cuBLAS GEMM. x_c (G, c, H), w (G, V, H), bias (G, V) or None."""
+    heads = range(w.shape[0])
+    if backend == "triton":
+        from .kernels import logits_triton
+
+        if all(logits_triton.supported(x_c[g], w[g], None if bias is None else bias[g]) for g in heads):
+            groups, rows, vocab = logits.shape
+            stats = torch.empty(2, groups, rows, logits_triton.num_tiles(vocab), dtype=torch.float32,
+                                device=logits.device)
+            for g in heads:
+                logits_triton.logits_with_tile_stats(x_c[g], w[g], None if bias is None else bias[g], logits[g],
+                                                     stats[0, g], stats[1, g], opts)
+            tile_max, tile_sum = stats.view(2, groups * rows, -1)
+            return tile_max, tile_sum
+    torch.bmm(x_c, w.transpose(1, 2), out=logits)
+    if bias is not None:
+        logits.add_(bias[:, None, :])
+    return None
 
 
 @dataclass
