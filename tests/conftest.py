@@ -58,6 +58,14 @@ def hopper_gemm(monkeypatch):
 
 
 @pytest.fixture
+def hopper_gemm_calls(hopper_gemm, monkeypatch):
+    """``hopper_gemm``, its launches (``logits_with_tile_stats``) counted into the returned list."""
+    calls, real = [], hopper_gemm.logits_with_tile_stats
+    monkeypatch.setattr(hopper_gemm, "logits_with_tile_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.fixture
 def loss_only_runs(hopper_gemm, monkeypatch):
     """The rows of every call that takes the statistics-only path (``loss_only.run``), on small shapes."""
     from flce import loss_only

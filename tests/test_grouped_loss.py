@@ -3,14 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, HOPPER_DTYPE, ON_HOPPER
+from conftest import DEVICE, HOPPER_DTYPE
 from reference import TOL, assert_close, errors_in_roundings, reference_loss, rel_err
 
 import flce
 from flce import grouped_loss
-from flce.kernels import triton_available
-
-needs_triton = pytest.mark.skipif(not triton_available(DEVICE), reason="triton cannot run here")
 
 OPTIONS = {
     "plain": {},
@@ -402,43 +399,24 @@ def test_gpu_real_shape_bf16(group_major):
 
 # ---------------------------------------------------------------- flce's Hopper logits GEMM, one per group
 
-@pytest.fixture
-def hopper_gemm(monkeypatch):
-    """Let flce's Hopper logits GEMM run on these small shapes (under the interpreter on a CPU: small tiles,
-    fp16); count its calls."""
-    lt = pytest.importorskip("flce.kernels.logits_triton")
-    monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
-    monkeypatch.setattr(lt, "MIN_ROWS", 8)
-    if not ON_HOPPER:
-        monkeypatch.setattr(lt, "TILE", lt.TileConfig(32, 64, 16, 2, 4, 4))
-    calls = []
-    real = lt.logits_with_tile_stats
-    monkeypatch.setattr(lt, "logits_with_tile_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
-
-
-@needs_triton
 @pytest.mark.parametrize("name", ["plain", "all"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("group_major", [False, True])
-def test_through_the_hopper_gemm(hopper_gemm, name, reduction, group_major):
+def test_through_the_hopper_gemm(hopper_gemm_calls, name, reduction, group_major):
     """Each group's logits from flce's GEMM, stored less their tile max, read once by the CE kernel with the
     tile statistics: every option against float64, both layouts (a batch-major x_c[g] is a strided view)."""
     check("triton", DEVICE, B=40, G=3, hidden=32, vocab=600, dtype=HOPPER_DTYPE, group_major=group_major,
           reduction=reduction, chunk_size=16, **dict(OPTIONS[name]))
-    assert hopper_gemm and len(hopper_gemm) % 3 == 0  # every group of every chunk
+    assert hopper_gemm_calls and len(hopper_gemm_calls) % 3 == 0  # every group of every chunk
     if name == "plain":  # 40 positions in chunks of 16, once more in backward for reduction="none"
-        assert len(hopper_gemm) == 3 * 3 * (2 if reduction == "none" else 1)
+        assert len(hopper_gemm_calls) == 3 * 3 * (2 if reduction == "none" else 1)
 
 
-@needs_triton
 @pytest.mark.parametrize("chunk_size", [None, 32])
-def test_peaked_logits_through_the_hopper_gemm(monkeypatch, hopper_gemm, chunk_size):
+def test_peaked_logits_through_the_hopper_gemm(monkeypatch, hopper_gemm, hopper_gemm_calls, chunk_size):
     """Logits of a trained model's spread (std 6, targets drawn from each head's softmax): the heads' GEMMs
     store them less their tile max, so the gradients stay near the 16-bit rounding (1.3-1.6x here), where
     one batched cuBLAS GEMM's rounded logits read ~8x, as the one-head loss's."""
-    import flce.kernels.logits_triton as lt
-
     B, G, H, V = 96, 2, 32, 512
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(B, G, H, device=DEVICE, generator=gen).to(HOPPER_DTYPE).requires_grad_()
@@ -451,8 +429,8 @@ def test_peaked_logits_through_the_hopper_gemm(monkeypatch, hopper_gemm, chunk_s
     exact = ref_grads()[:2]
     errs = {}
     for min_rows in (8, 1 << 40):  # flce's GEMM, then cuBLAS's bmm
-        monkeypatch.setattr(lt, "MIN_ROWS", min_rows)
+        monkeypatch.setattr(hopper_gemm, "MIN_ROWS", min_rows)
         loss = flce.grouped_linear_cross_entropy(x, w, t, chunk_size=chunk_size, backend="triton")
         errs[min_rows] = errors_in_roundings(torch.autograd.grad(loss, (x, w)), exact, HOPPER_DTYPE)
-    assert hopper_gemm and max(errs[8]) <= 2.5
+    assert hopper_gemm_calls and max(errs[8]) <= 2.5
     assert all(e <= c / 2 for e, c in zip(errs[8], errs[1 << 40]))

@@ -531,12 +531,10 @@ def test_gpu_speculation_matches_recompute(monkeypatch):
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("chunk_size", [None, 32])
-def test_peaked_logits_through_the_hopper_gemm(hopper_gemm, monkeypatch, chunk_size, softcap):
+def test_peaked_logits_through_the_hopper_gemm(hopper_gemm_calls, chunk_size, softcap):
     """Logits of a trained model's spread (std 6, targets drawn from the softmax): the loss's Hopper GEMM stores
     them less their tile max, so the log-probs, the entropy and their gradients keep what the 16-bit rounding
     of the logits would take (log-probs off by up to |z_y| ulps of 1)."""
-    calls, real = [], hopper_gemm.logits_with_tile_stats
-    monkeypatch.setattr(hopper_gemm, "logits_with_tile_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
     x, w, b, t = peaked_case(96, 32, 512, HOPPER_DTYPE, DEVICE, bias=True, temperature=0.8, softcap=softcap)
     g_lp, g_ent = torch.randn(2, 96, dtype=torch.float64)
     got = flce.linear_log_probs(x, w, t, linear_bias=b, outputs=("log_probs", "entropy"), temperature=0.8,
@@ -544,7 +542,7 @@ def test_peaked_logits_through_the_hopper_gemm(hopper_gemm, monkeypatch, chunk_s
     grads = torch.autograd.grad((got.log_probs * g_lp.float() + got.entropy * g_ent.float()).sum(), (x, w, b))
     want, leaves, _ = reference_stats(x, w, t, b, temperature=0.8, softcap=softcap)
     exact = torch.autograd.grad((want.log_probs * g_lp + want.entropy * g_ent).sum(), leaves)
-    assert len(calls) == 2 * (3 if chunk_size else 1)  # forward and backward's recompute
+    assert len(hopper_gemm_calls) == 2 * (3 if chunk_size else 1)  # forward and backward's recompute
     # in float16 1.3e-3 / 1.2e-4 and 1.4-1.6x; 1.0e-2 / 5.8e-3 and 13.6-13.8x with the logits stored as such
     eps = torch.finfo(HOPPER_DTYPE).eps
     assert (got.log_probs.double() - want.log_probs).abs().max() <= 2.5 * eps

@@ -28,16 +28,9 @@ OPTIONS = [
 
 
 @pytest.fixture
-def fused(monkeypatch):
+def fused(hopper_gemm_calls):
     """Let the fused path run on these small shapes (and under the interpreter); count its calls."""
-    monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
-    monkeypatch.setattr(lt, "MIN_ROWS", 8)
-    if not ON_HOPPER:
-        monkeypatch.setattr(lt, "TILE", lt.TileConfig(32, 64, 16, 2, 4, 4))
-    calls = []
-    real = lt.logits_with_tile_stats
-    monkeypatch.setattr(lt, "logits_with_tile_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
+    return hopper_gemm_calls
 
 
 def tile_stats_of(logits: torch.Tensor, opts: LossOptions, block_n: int):
