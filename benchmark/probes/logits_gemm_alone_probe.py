@@ -2,31 +2,20 @@
 their tile max since 2afee14), its registers and spills, and cuBLAS's plain GEMM of the same shape; median and
 best of 30 CUDA-event timings, ms. GPU only; run it once per tree to compare two:
 
-    PYTHONPATH=<tree>/src python benchmark/probes/logits_gemm_alone_probe.py [rows, default 6144] [softcap]
+    PYTHONPATH=<tree>/src:benchmark python benchmark/probes/logits_gemm_alone_probe.py [rows, default 6144] [softcap]
 """
 from __future__ import annotations
 
 import sys
 
 import torch
+from breakdown import event_times
 
 import flce
 from flce.kernels import logits_triton as lt
 from flce.options import LossOptions
 
 H, V = 4096, 128256
-
-
-def times(call) -> list[float]:
-    out = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end))
-    return sorted(out)
 
 
 def main(rows: int, softcap: float | None = None) -> None:
@@ -40,9 +29,9 @@ def main(rows: int, softcap: float | None = None) -> None:
 
     kernel = gemm()
     print(flce.__file__, "regs", kernel.n_regs, "spills", kernel.n_spills)
-    mine, theirs = times(gemm), times(lambda: torch.mm(x, w.t(), out=out))
-    print(f"rows {rows}, softcap {softcap}: GEMM with statistics median {mine[15]:.3f} ms min {mine[0]:.3f}; cuBLAS mm median "
-          f"{theirs[15]:.3f}")
+    mine, theirs = event_times(gemm, reps=30, warmup=0), event_times(lambda: torch.mm(x, w.t(), out=out), 30, 0)
+    print(f"rows {rows}, softcap {softcap}: GEMM with statistics median {mine[15]:.3f} ms min {mine[0]:.3f}; "
+          f"cuBLAS mm median {theirs[15]:.3f}")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ Multi-token prediction or per-group heads: group g of every batch position is pr
 head ``W[g]`` (V x H). The chunk loop is the core's (function.py) with each GEMM batched over the
 groups: a chunk of ``c`` batch positions holds (G, c, V) logits in one contiguous buffer, which the
 cross-entropy kernel sees as G*c ordinary rows. On Hopper the logits come from flce's GEMM, one launch
-per group, stored less their tile max as the core's (``_group_logits``). The grad_weight GEMM of a chunk is G GEMMs with K = c,
-so chunks are sized per group exactly like the core's (``plan_chunks`` with a G*V-wide "vocabulary").
+per group, stored less their tile max as the core's (``_group_logits``). The grad_weight GEMM of a chunk
+is G GEMMs with K = c, so chunks are sized per group exactly like the core's (``plan_chunks`` with a
+G*V-wide "vocabulary").
 Batch-major inputs are read and their gradients written through (G, B, ·) views (see grouped.py).
 
 The loss over groups (``group_reduction``), with L_g = ``linear_cross_entropy(x_g, W_g, t_g, ...)`` the

@@ -251,7 +251,7 @@ def _ce_kernel(
     SCALE_PER_ROW: tl.constexpr,
     COMPUTE_ACC: tl.constexpr,
     MEAN_BY_COUNT: tl.constexpr,
-    TILE_STATS: tl.constexpr,
+    SHIFTED: tl.constexpr,
     TILE_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -273,15 +273,15 @@ def _ce_kernel(
             n_bad += bad.to(tl.int64)
         y = tl.minimum(tl.maximum(y, 0), V - 1)  # safe index for ignored (or unchecked) targets
 
-        tile_max_row = tile_max_ptr + row * n_tiles  # (T,) when TILE_STATS
-        z_y = load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP, TILE_STATS, TILE_N)  # before pass 2
+        tile_max_row = tile_max_ptr + row * n_tiles  # (T,) when SHIFTED
+        z_y = load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP, SHIFTED, TILE_N)  # before pass 2
         if HAS_WEIGHT:
             w_y = tl.load(class_weight_ptr + y).to(tl.float32)
             w_sum = tl.load(weight_sum_ptr).to(tl.float32)
         else:
             w_y = 1.0
             w_sum = V * 1.0
-        if TILE_STATS:  # lse from the logits GEMM's epilogue: no pass for it
+        if SHIFTED:  # the logits GEMM's statistics came with the values: the lse from them, no pass for it
             lse = _tile_stats_lse(tile_max_row, tile_sum_ptr + row * n_tiles, n_tiles, softcap, HAS_SOFTCAP, BLOCK_T)
             sum_z = 0.0
             best_idx = 0
@@ -308,7 +308,7 @@ def _ce_kernel(
             else:
                 scale = tl.load(scale_ptr).to(tl.float32)
             scale = scale * inv_temp + poison
-            if TILE_STATS:
+            if SHIFTED:
                 sum_z, best_idx = _write_row_grad_once(
                     row_ptr, tile_max_row, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y,
                     smoothing / V, scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
@@ -358,6 +358,20 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
 
 
+def shift_args(tile_max: torch.Tensor | None, vocab: int, dummy: torch.Tensor) -> dict:
+    """A kernel's arguments for the logits GEMM's (n, T) tile maxima that came with its values (``load_z``'s
+    ``SHIFTED``), or for none."""
+    if tile_max is None:
+        return dict(tile_max_ptr=dummy, n_tiles=0, SHIFTED=False, TILE_N=1)
+    return dict(tile_max_ptr=tile_max, n_tiles=tile_max.shape[1], SHIFTED=True,
+                TILE_N=tile_width(vocab, tile_max.shape[1]))
+
+
+def tile_block(n_tiles: int) -> int:
+    """Tile partials of a row that ``tile_stats_max_sum`` combines per step (its BLOCK_T)."""
+    return min(triton.next_power_of_2(max(n_tiles, 1)), 1024)
+
+
 def tile_width(vocab: int, n_tiles: int) -> int:
     """The logits GEMM's tile width (a power of two) from the number of tiles it made of ``vocab`` columns:
     the one power of two in [vocab / n_tiles, vocab / (n_tiles - 1)); with one tile any width >= vocab
@@ -403,16 +417,14 @@ def ce_chunk_triton(
         correct if correct is not None else dummy,
         counts if counts is not None else dummy,
         total if total is not None else dummy,
-        tile_stats[0] if tile_stats is not None else dummy,
-        tile_stats[1] if tile_stats is not None else dummy,
-        tile_stats[0].shape[1] if tile_stats is not None else 0,
-        n,
-        vocab,
-        opts.ignore_index,
-        float(opts.label_smoothing),
-        float(opts.z_loss),
-        float(opts.softcap or 1.0),
-        1.0 / opts.temperature,
+        tile_sum_ptr=tile_stats[1] if tile_stats is not None else dummy,
+        n_rows=n,
+        V=vocab,
+        ignore_index=opts.ignore_index,
+        smoothing=float(opts.label_smoothing),
+        z_loss=float(opts.z_loss),
+        softcap=float(opts.softcap or 1.0),
+        inv_temp=1.0 / opts.temperature,
         HAS_WEIGHT=class_weight is not None,
         HAS_SMOOTHING=opts.label_smoothing > 0.0,
         HAS_Z_LOSS=opts.z_loss > 0.0,
@@ -421,10 +433,9 @@ def ce_chunk_triton(
         SCALE_PER_ROW=grad_scale is not None and grad_scale.dim() == 1,
         COMPUTE_ACC=correct is not None,
         MEAN_BY_COUNT=counts is not None,
-        TILE_STATS=tile_stats is not None,
-        TILE_N=tile_width(vocab, tile_stats[0].shape[1]) if tile_stats is not None else 1,
         BLOCK_V=block_v,
-        BLOCK_T=min(triton.next_power_of_2(tile_stats[0].shape[1]), 1024) if tile_stats is not None else 1,
+        BLOCK_T=tile_block(tile_stats[0].shape[1] if tile_stats is not None else 0),
         VEC=min(8, block_v),  # the one pass's columns per row of its 2-D block: one 16-byte load of 16-bit values
         num_warps=max(4, min(warps, block_v // 512)),
+        **shift_args(tile_stats[0] if tile_stats is not None else None, vocab, dummy),
     )

@@ -3,7 +3,7 @@
 One program per row, blocks over the shard's columns, float32 arithmetic whatever the logits' dtype.
 The row passes (online softmax, gradient written over the row) are the core kernel's own jit
 functions, so both kernels compute the same z and gradient (the same softcap, ``softcap_triton``).
-Given the Hopper logits GEMM's tile statistics (``TILE_STATS``) the logits hold r less its tile's shift,
+Given the Hopper logits GEMM's tile statistics (``SHIFTED``) the logits hold r less its tile's shift,
 as the core kernel reads them, and stage 1 takes the row's max and sum from the statistics.
 """
 
@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from ..options import LossOptions
-from .ce_triton import _row_stats, _write_row_grad, _write_row_grad_once, load_z_at, tile_stats_max_sum, tile_width
+from .ce_triton import (_row_stats, _write_row_grad, _write_row_grad_once, load_z_at, shift_args, tile_block,
+                        tile_stats_max_sum)
 
 
 @triton.jit
@@ -34,7 +35,7 @@ def _shard_stats_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
-    TILE_STATS: tl.constexpr,
+    SHIFTED: tl.constexpr,
     TILE_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -42,8 +43,8 @@ def _shard_stats_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    tile_max_row = tile_max_ptr + row * n_tiles  # (T,) when TILE_STATS
-    if TILE_STATS:  # max and sum from the GEMM's epilogue; a read of the row only for smoothing's sum
+    tile_max_row = tile_max_ptr + row * n_tiles  # (T,) when SHIFTED
+    if SHIFTED:  # max and sum from the GEMM's epilogue; a read of the row only for smoothing's sum
         m, s = tile_stats_max_sum(tile_max_row, tile_sum_ptr + row * n_tiles, n_tiles, softcap, HAS_SOFTCAP, BLOCK_T)
         sum_z = 0.0
         if HAS_SMOOTHING:
@@ -56,7 +57,7 @@ def _shard_stats_kernel(
 
     y = tl.load(target_ptr + row)
     here = y >= 0
-    z_y = load_z_at(row_ptr, tile_max_row, tl.maximum(y, 0), inv_temp, softcap, HAS_SOFTCAP, TILE_STATS, TILE_N)
+    z_y = load_z_at(row_ptr, tile_max_row, tl.maximum(y, 0), inv_temp, softcap, HAS_SOFTCAP, SHIFTED, TILE_N)
     tl.store(out_ptr + row, m)
     tl.store(out_ptr + n_rows + row, s)
     tl.store(out_ptr + 2 * n_rows + row, tl.where(here, z_y, 0.0))
@@ -83,7 +84,7 @@ def _shard_grad_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
-    TILE_STATS: tl.constexpr,
+    SHIFTED: tl.constexpr,
     TILE_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     VEC: tl.constexpr,
@@ -97,7 +98,7 @@ def _shard_grad_kernel(
     scale = tl.load(scale_ptr + row)
     # y = -1 (target in another shard) matches no column; scale 0 marks an ignored row: exact zeros.
     # extra_coef comes per row from the host (smoothing and z-loss): always read.
-    if TILE_STATS:
+    if SHIFTED:
         _write_row_grad_once(row_ptr, tile_max_ptr + row * n_tiles, class_weight_ptr, V, y, lse, extra_coef,
                              target_coef, smoothing_per_class, scale, scale != 0.0, inv_temp, softcap, HAS_WEIGHT,
                              HAS_SMOOTHING, True, HAS_SOFTCAP, False, TILE_N, True, BLOCK_V, VEC)
@@ -111,20 +112,11 @@ def _launch_shape(vocab: int) -> tuple[int, int]:
     return block_v, 8 if block_v >= 2048 else 4
 
 
-def _tiles(tile_max: torch.Tensor | None, vocab: int, block_v: int, dummy: torch.Tensor) -> dict:
-    """The kernels' arguments for the GEMM's (n, T) tile maxima, or for none."""
-    if tile_max is None:
-        return dict(tile_max_ptr=dummy, n_tiles=0, TILE_STATS=False, TILE_N=1, VEC=1)
-    return dict(tile_max_ptr=tile_max, n_tiles=tile_max.shape[1], TILE_STATS=True,
-                TILE_N=tile_width(vocab, tile_max.shape[1]), VEC=min(8, block_v))
-
-
 def shard_stats_triton(logits, target_local, class_weight, opts: LossOptions, out: torch.Tensor,
                        tile_stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     n, vocab = logits.shape
     assert logits.stride(1) == 1 and out.is_contiguous(), "logits rows and out must be contiguous"
     block_v, num_warps = _launch_shape(vocab)
-    tiles = _tiles(None if tile_stats is None else tile_stats[0], vocab, block_v, out)
     _shard_stats_kernel[(n,)](
         logits, logits.stride(0), target_local,
         class_weight if class_weight is not None else out,  # placeholder pointer, never read
@@ -134,9 +126,10 @@ def shard_stats_triton(logits, target_local, class_weight, opts: LossOptions, ou
         HAS_SMOOTHING=opts.label_smoothing > 0.0,
         HAS_SOFTCAP=opts.softcap is not None,
         BLOCK_V=block_v,
-        BLOCK_T=min(triton.next_power_of_2(max(tiles["n_tiles"], 1)), 1024),
+        BLOCK_T=tile_block(0 if tile_stats is None else tile_stats[0].shape[1]),
+        VEC=min(8, block_v),
         num_warps=num_warps,
-        **tiles,
+        **shift_args(None if tile_stats is None else tile_stats[0], vocab, out),
     )
 
 
@@ -154,6 +147,7 @@ def shard_grad_triton(logits, target_local, class_weight, lse, extra_coef, targe
         HAS_SMOOTHING=opts.label_smoothing > 0.0,
         HAS_SOFTCAP=opts.softcap is not None,
         BLOCK_V=block_v,
+        VEC=min(8, block_v),
         num_warps=num_warps,
-        **_tiles(tile_max, vocab, block_v, lse),
+        **shift_args(tile_max, vocab, lse),
     )

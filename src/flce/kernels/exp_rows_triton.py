@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..options import LossOptions
-from .ce_triton import _finish_mean, _sm_count, _tile_stats_lse
+from .ce_triton import _finish_mean, _sm_count, _tile_stats_lse, tile_block
 from .logits_triton import EXP_LOW
 from .softcap_triton import capped
 
@@ -57,7 +57,8 @@ def _row_loss(row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class
     valid = y != ignore_index
     bad = valid & ((y < 0) | (y >= V))  # an unchecked bad target: NaN loss and gradient, never a number
     y = tl.minimum(tl.maximum(y, 0), V - 1)
-    lse = _tile_stats_lse(tile_max_ptr + row * n_tiles, tile_sum_ptr + row * n_tiles, n_tiles, softcap, HAS_SOFTCAP, BLOCK_T)
+    lse = _tile_stats_lse(tile_max_ptr + row * n_tiles, tile_sum_ptr + row * n_tiles, n_tiles, softcap, HAS_SOFTCAP,
+                          BLOCK_T)
     dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
@@ -117,7 +118,7 @@ def loss_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 
 
 def _row_blocks(hidden: int, n_tiles: int) -> dict:
-    return dict(BLOCK_H=min(1024, triton.next_power_of_2(hidden)), BLOCK_T=min(1024, triton.next_power_of_2(n_tiles)))
+    return dict(BLOCK_H=min(1024, triton.next_power_of_2(hidden)), BLOCK_T=tile_block(n_tiles))
 
 
 @triton.jit

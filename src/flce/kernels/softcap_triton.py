@@ -77,7 +77,6 @@ def capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
     return r, slope
 
 
-
 @triton.jit
 def tile_shift(tile_max, softcap, HAS_SOFTCAP: tl.constexpr):
     """What the logits GEMM takes off a tile's values r before storing them, from the tile's max of r: that

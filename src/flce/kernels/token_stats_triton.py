@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ce_triton import block_cols, load_z, load_z_at, tile_width
+from .ce_triton import block_cols, load_z, load_z_at, shift_args
 from .token_stats import RowStats, Transform
 
 # Vocabulary columns per step, rows per SM in the grid, warps (the CE kernel's tuned defaults).
@@ -143,14 +143,6 @@ def _launch(n: int, vocab: int, device: torch.device) -> tuple[tuple[int], int, 
     return (programs,), block_v, max(1, min(NUM_WARPS, block_v // 256))
 
 
-def _shift(tile_max: torch.Tensor | None, vocab: int, dummy: torch.Tensor) -> dict:
-    """The kernels' arguments for ``tile_max`` (see ``kernels.token_stats.row_stats``)."""
-    if tile_max is None:
-        return dict(tile_max_ptr=dummy, n_tiles=0, SHIFTED=False, TILE_N=1)
-    return dict(tile_max_ptr=tile_max, n_tiles=tile_max.shape[1], SHIFTED=True,
-                TILE_N=tile_width(vocab, tile_max.shape[1]))
-
-
 def row_stats_triton(logits: torch.Tensor, target: torch.Tensor, out: RowStats, tf: Transform,
                      tile_max: torch.Tensor | None = None) -> None:
     """See ``kernels.token_stats.row_stats``."""
@@ -168,7 +160,7 @@ def row_stats_triton(logits: torch.Tensor, target: torch.Tensor, out: RowStats, 
         HAS_SOFTCAP=tf.softcap is not None, HAS_LOG_PROBS=out.log_probs is not None,
         HAS_ENTROPY=out.entropy is not None, HAS_SUM_SQ=out.log_sum_sq_probs is not None,
         HAS_MEAN=out.mean_logits is not None, HAS_TOP1=top1 is not None, BLOCK_V=block_v, VEC=min(8, block_v),
-        num_warps=warps, **_shift(tile_max, vocab, dummy))
+        num_warps=warps, **shift_args(tile_max, vocab, dummy))
 
 
 def row_grad_triton(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
@@ -186,4 +178,4 @@ def row_grad_triton(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tenso
         n_rows=n, V=vocab, ignore_index=tf.ignore_index, inv_temp=tf.inv_temp, softcap=float(tf.softcap or 1.0),
         HAS_SOFTCAP=tf.softcap is not None, HAS_LP_GRAD=grad_log_probs is not None,
         HAS_ENT_GRAD=grad_entropy is not None, BLOCK_V=block_v, VEC=min(8, block_v), num_warps=warps,
-        **_shift(tile_max, vocab, lse))
+        **shift_args(tile_max, vocab, lse))
