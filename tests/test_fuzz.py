@@ -56,6 +56,24 @@ def grad_floors(reference, grad_out, opts) -> list:
     return [leaf.grad.norm().item() if leaf is not None else 0.0 for leaf in ref_leaves]
 
 
+def rounding_scales(x, w, b, t, cw, items, grad_out, opts) -> list:
+    """Per differentiable input, the norm that rounding each of its gradient's terms once (dz_iv w_vh,
+    dz_iv x_ih, dz_iv) leaves when the errors add at random: sqrt(sum_iv dz_iv^2 ||w_v||^2),
+    sqrt(sum_i ||dz_i||^2 ||x_i||^2), ||dz||. A sum whose terms cancel (grad_W of V = 1: 20 terms of
+    random sign summing to 1/200 of their absolute sum) is then held to what its terms allow any
+    low-precision method, not to its own small norm. dz: float64 dloss/dlogits (logits before bias and
+    temperature), through the reference with the logits as x and an identity weight."""
+    x64, w64 = x.detach().double().flatten(0, -2), w.detach().double()
+    logits = x64 @ w64.T + (b.detach().double() if b is not None else 0.0)
+    logits = logits.reshape(*t.shape, w.shape[0]).requires_grad_()
+    eye = torch.eye(w.shape[0], dtype=torch.float64, device=w.device)
+    ref, (leaf, _, _) = reference_loss(logits, eye, t, weight_cls=cw, num_items_in_batch=items, **opts)
+    dz = torch.autograd.grad(ref, leaf, grad_out, materialize_grads=True)[0].flatten(0, -2)
+    dz2 = dz.square()
+    return [(dz2 @ w64.square().sum(1)).sum().sqrt().item(),
+            (dz2.sum(1) @ x64.square().sum(1)).sqrt().item(), dz.norm().item()]
+
+
 def assert_grad_close(got, want, tol, floor, what, atol=0.0):
     """||got - want|| <= tol * max(||want||, floor) + atol (atol: rounding noise where the gradient is an
     exact 0, e.g. V = 1, whose terms cancel to a few ulps of O(1) values)."""
@@ -87,6 +105,12 @@ def num_items_for(t, choice):
          opts={"reduction": "mean", "label_smoothing": 0.0, "z_loss": 1e-3, "softcap": None, "temperature": 1.0},
          dtype=torch.float32, num_items="none", validate=True, accum=None, low_memory=False, backend=BACKENDS[-1],
          seed=1)
+# grad_W of V = H = 1 is a sum of ~20 terms of random sign that cancel to 1/200 of their absolute sum: held to
+# what rounding each term allows (rounding_scales), not to its own norm (it failed the latter at 10x).
+@example(n=38, hidden=1, vocab=1, lead=(2,), chunk=None, ignore=0.75, bias=True, class_weight=True,
+         opts={"reduction": "none", "label_smoothing": 0.0, "z_loss": 0.1, "softcap": 30.0, "temperature": 0.5},
+         dtype=torch.bfloat16, num_items="none", validate=True, accum=None, low_memory=False, backend="torch",
+         seed=1)
 def test_random_cases_match_reference(n, hidden, vocab, lead, chunk, ignore, bias, class_weight, opts, dtype,
                                       num_items, validate, accum, low_memory, backend, seed):
     g = torch.Generator().manual_seed(seed)
@@ -106,11 +130,12 @@ def test_random_cases_match_reference(n, hidden, vocab, lead, chunk, ignore, bia
     ref.backward(grad_out)
     floors = grad_floors(lambda **o: reference_loss(x, w, t, linear_bias=b, weight_cls=cw, num_items_in_batch=items,
                                                     **{**opts, **o}), grad_out, opts)
-    for got, leaf, floor, name in zip((x, w, b), ref_leaves, floors, ("input", "weight", "bias")):
+    scales = rounding_scales(x, w, b, t, cw, items, grad_out, opts)
+    for got, leaf, floor, scale, name in zip((x, w, b), ref_leaves, floors, scales, ("input", "weight", "bias")):
         if got is not None:
             # 1e-4: fp32 cancellation in coef * p - (1 - eps) when V is tiny (dz ~ z_loss * lse)
             assert got.grad.dtype == dtype
-            assert_grad_close(got.grad, leaf.grad, GRAD_TOL[dtype], floor, f"grad_{name}",
+            assert_grad_close(got.grad, leaf.grad, GRAD_TOL[dtype], max(floor, scale), f"grad_{name}",
                               atol=GRAD_TOL[dtype] / 100)
 
 
