@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from hf_tiny import CONFIGS, assert_patched_matches, patched, tiny_batch, tiny_model
 from reference import assert_close
 
-import flce
 
 FAMILY_NAMES = list(CONFIGS)
 HEAD_SCALE = 40.0  # logits of a few units: softcaps bite, and the loss is far from log(V)

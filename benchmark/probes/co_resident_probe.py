@@ -42,7 +42,8 @@ def call_for(kind, cfg, per_sm, x, w, out, opts):
     def call():
         logits_triton.TILE = cfg
         logits_triton._sm_count = lambda index: sms * per_sm  # the launcher's grid: programs per SM
-        output = {"stats": logits_triton.STORE_NOTHING, "exp": logits_triton.STORE_EXP}.get(kind, logits_triton.STORE_LOGITS)
+        stores = {"stats": logits_triton.STORE_NOTHING, "exp": logits_triton.STORE_EXP}
+        output = stores.get(kind, logits_triton.STORE_LOGITS)
         return logits_triton._launch(x, w, None, None if kind == "stats" else out, mx, se, opts, output)
 
     def lse():
@@ -85,7 +86,7 @@ def main():
             print(f"{kind}, {rows} x {hidden} x {vocab}:", flush=True)
             for name, ms in sorted(times.items(), key=lambda kv: kv[1]):
                 print(f"  {name:34s} {ms:8.4f} ms  {ms / base:6.3f}x cuBLAS", flush=True)
-        del x, w, out, z
+        x = w = out = z = None  # free before the next shape (not del: the lambdas above close over them)
         torch.cuda.empty_cache()
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from common import host_us_per_call
 
 import flce
-from flce import api, checks, planner
+from flce import checks, planner
 from flce.kernels.ce_triton import ce_chunk_triton
 from flce.options import LossOptions
 

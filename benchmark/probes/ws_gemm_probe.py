@@ -162,10 +162,11 @@ def main():
             print(f"logits {'exp' if store_exp else 'stats'} {rows}x{hidden}x{vocab}: pipelined {t['base']:.3f} ms, "
                   f"warp-specialized {t['ws']:.3f} ({t['ws'] / t['base']:.3f}x), cuBLAS {t['cublas']:.3f}; "
                   f"outputs apart {err:.2e}", flush=True)
-        del out_a, out_b
+        out_a = out_b = None  # free before the next shape (not del: the lambdas above close over them)
         cols = min(vocab, 4096 if rows <= 8192 else 40960) // 256 * 256
         target = torch.randint(0, vocab, (rows,), device="cuda")
-        lse = torch.logsumexp((x.float() @ w.float().t()), 1) if rows * vocab <= 8192 * 128256 else torch.randn(rows, device="cuda") + 12
+        small = rows * vocab <= 8192 * 128256
+        lse = torch.logsumexp((x.float() @ w.float().t()), 1) if small else torch.randn(rows, device="cuda") + 12
         terms = RowTerms(target, lse, None, None, torch.tensor(1.0 / rows, device="cuda"), True)
         g_a, g_b = (torch.empty(rows, cols, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         wb = w[:cols]
