@@ -336,18 +336,22 @@ def test_skips_gradients_nobody_needs(backend, device, monkeypatch):
     monkeypatch.setattr(fn, "mm_into", lambda out, a, b, accumulate: calls.append(out.shape) or real(out, a, b, accumulate=accumulate))
     x, w, _, t, _ = make_case((12,), 8, 20, torch.float32, device)
     w.requires_grad_(False)
+
+    def gradient_calls():  # the logits GEMMs (n, 20) go through mm_into too
+        return [tuple(s) for s in calls if s[1] == 8]
+
     flce.linear_cross_entropy(x, w, t, backend=backend, chunk_size=4).backward()
     assert w.grad is None and x.grad is not None
-    assert calls and all(s[1] == 8 and s[0] <= 4 for s in calls)  # grad_input slices only
+    assert gradient_calls() and all(s[0] <= 4 for s in gradient_calls())  # grad_input slices only
     calls.clear()
     x2 = x.detach()
     w.requires_grad_(True)
     flce.linear_cross_entropy(x2, w, t, backend=backend, chunk_size=4).backward()
-    assert calls and all(tuple(s) == (20, 8) for s in calls)  # grad_weight only
+    assert gradient_calls() and all(s == (20, 8) for s in gradient_calls())  # grad_weight only
     calls.clear()
     with torch.no_grad():
         flce.linear_cross_entropy(x, w, t, backend=backend)
-    assert not calls
+    assert not gradient_calls()
 
 
 def test_autocast_bf16_with_fp32_master_weights(backend, device):

@@ -114,6 +114,18 @@ def test_one_gradient_wanted(path, wanted):
     assert (x.grad is None) == (wanted == "weight") and (w.grad is None) == (wanted == "input")
 
 
+@pytest.mark.parametrize("vocab", [117, 125])
+def test_odd_vocabulary(path, monkeypatch, vocab):
+    """V not a multiple of 8 (a token added to a vocabulary): e is stored in rows padded to 16 bytes
+    (``gemm.padded_rows``) and backward's GEMMs cut V into a multiple of 8 and the rest (``gemm._split_gemm``,
+    on here as on CUDA)."""
+    from flce import gemm
+
+    monkeypatch.setattr(gemm, "SPLIT_ON_CPU", True)
+    run_and_compare(*case(vocab=vocab))
+    assert path.taken == [1] and path.pending[0].e.stride(0) == -(-vocab // 8) * 8 and path.fell_back == []
+
+
 def test_rows_of_a_wider_tensor(path):
     """x and W as column slices of wider tensors (row strides beyond H): the row kernel's dot and the
     backward row scale follow the strides."""
@@ -247,6 +259,17 @@ def test_low_memory_chunks_match_float64(path, low_memory_plan, monkeypatch, red
     assert path.chunks == [16, 16, 8] and path.taken == []
     assert [s[1] for s in shares] == ([False, True, True] if reduction != "none" else [])  # written, then summed into
     assert all(0 < k < 120 for k, _ in shares)
+
+
+def test_low_memory_odd_vocabulary(path, low_memory_plan, monkeypatch):
+    """V not a multiple of 8: forward's buffer in grad_weight's storage and backward's block buffer take rows
+    padded to 16 bytes, so forward's chunks stay on the exp-logits GEMM; the GEMMs cut V (on here as on CUDA)."""
+    from flce import gemm
+
+    monkeypatch.setattr(gemm, "SPLIT_ON_CPU", True)
+    low_memory_plan(16 * 16 * 4)
+    run_and_compare(*case(vocab=117), mode={"low_memory": True, "chunk_size": 16})
+    assert path.chunks == [16, 16, 8] and path.taken == []
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

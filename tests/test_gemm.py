@@ -85,3 +85,63 @@ def test_column_sums_into(device, monkeypatch, gemv, n, out_dtype, op_dtype):
     want = a1[:, :120].double().sum(0) + a2[:, :120].double().sum(0)
     assert out.dtype == out_dtype
     assert rel_err(out, want) < {torch.float64: 1e-12}.get(op_dtype, 1e-5)
+
+
+def test_padded_rows_start_16_byte_aligned(device):
+    for cols, dtype in ((37, torch.bfloat16), (40, torch.bfloat16), (37, torch.float32), (3, torch.float64)):
+        t = gemm.padded_rows(5, cols, dtype, device)
+        assert t.shape == (5, cols) and t.stride(1) == 1 and t.dtype == dtype
+        assert (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        assert t.stride(0) - cols < 16 // t.element_size() and t.is_contiguous() == (t.stride(0) == cols)
+
+
+def test_splits_cut_unit_stride_extents_only(monkeypatch):
+    """Which of (m, n, k) a GEMM cuts: an extent that is unit-stride in an operand or the output and not a
+    multiple of 16 bytes (8 bf16 values; an extent of 8 or fewer stays)."""
+    monkeypatch.setattr(gemm, "SPLIT_ON_CPU", True)
+    a, b = torch.empty(37, 29).bfloat16(), torch.empty(29, 21).bfloat16()
+    assert gemm._splits(a, b, unit_n=False) == (0, 16, 24)  # a row-major: k; b row-major: n
+    assert gemm._splits(a, b, unit_n=False, unit_m=True) == (32, 16, 24)  # a column-major output: m too
+    assert gemm._splits(torch.empty(29, 37).bfloat16().t(), torch.empty(21, 29).bfloat16().t(), False) == (32, 0, 24)
+    assert gemm._splits(torch.empty(37, 7).bfloat16(), torch.empty(7, 40).bfloat16(), True) == (0, 0, 0)
+    assert gemm._splits(torch.empty(37, 29).float(), torch.empty(29, 41).float(), True) == (0, 0, 0)  # 16-bit only
+    # a column sum as a GEMV: the ones vector's unit strides say nothing; the transposed matrix cuts m
+    assert gemm._splits(torch.empty(29, 300).bfloat16()[:, :37].t(), torch.ones(29, 1).bfloat16(), True) == (32, 0, 0)
+    monkeypatch.setattr(gemm, "SPLIT_ON_CPU", False)
+    assert gemm._splits(a, b, unit_n=True) == (0, 0, 0)  # on the CPU only when asked
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("layout", ["k", "n", "m"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_split_gemm_rounds_once(device, monkeypatch, accumulate, layout, out_dtype):
+    """A GEMM cut into an aligned part and a remainder of M, N or K (``_split_gemm``) gives the plain GEMM's
+    result: into a 16-bit output a cut of K sums both parts in float32 and rounds once (two roundings read
+    ~1.4x the rounding of the exact result)."""
+    monkeypatch.setattr(gemm, "SPLIT_ON_CPU", True)
+    m, n, k = {"k": (64, 48, 1003), "n": (64, 1003, 48), "m": (1003, 48, 64)}[layout]
+    a = torch.randn(m, k, device=device).bfloat16()
+    if layout == "m":  # column-major: m is the unit-stride extent
+        a = a.t().contiguous().t()
+    b = torch.randn(k, n, device=device).bfloat16()
+    start = torch.randn(m, n, device=device).to(out_dtype)
+    out = start.clone()
+    assert gemm._split_gemm(out, a, b, accumulate)
+    want = a.double() @ b.double() + (start.double() if accumulate else 0.0)
+    if out_dtype == torch.bfloat16:  # one rounding of the exact sum, as the plain (add)mm
+        assert rel_err(out, want) <= 1.02 * rel_err(want.to(out_dtype), want)
+    else:
+        assert rel_err(out, want) <= 1e-5
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_padded_rows_of_the_first_operand(device, accumulate):
+    """A first operand in rows padded beyond its columns (``padded_rows``, as the logits buffer for backward's
+    grad_input GEMM): the padding, poisoned here, takes no part (the CPU's bf16 GEMM of torch 2.13 read it)."""
+    a = gemm.padded_rows(64, 500, torch.bfloat16, device)
+    a.as_strided((64, a.stride(0)), a.stride()).fill_(float("nan"))
+    a.copy_(torch.randn(64, 500, device=device))
+    b = torch.randn(500, 48, device=device).bfloat16()
+    out = torch.zeros(64, 48, device=device)
+    gemm.mm_into(out, a, b, accumulate=accumulate)
+    assert rel_err(out, a.double() @ b.double()) < 1e-5

@@ -13,6 +13,7 @@ from reference import TOL, errors_in_roundings, peaked_case, reference_loss, rel
 from test_api import check
 
 import flce
+from flce import gemm
 from flce.kernels import ce_chunk, triton_available
 from flce.options import LossOptions
 
@@ -153,6 +154,19 @@ def test_linear_cross_entropy_through_fused_gemm(fused, dtype, reduction, chunk_
     assert len(fused) == (3 if chunk_size else 1) * (2 if reduction == "none" else 1)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 24])
+@pytest.mark.parametrize("vocab", [601, 37])
+def test_odd_vocabulary_through_fused_gemm(fused, monkeypatch, chunk_size, vocab):
+    """V not a multiple of 8: the GEMM stores into rows padded to 16 bytes (``gemm.padded_rows``), the CE
+    kernel follows their stride, and the gradient GEMMs cut V (``gemm._split_gemm``, on here as on CUDA)."""
+    from flce import gemm
+
+    monkeypatch.setattr(gemm, "SPLIT_ON_CPU", True)
+    check("triton", HOPPER_DTYPE, DEVICE, shape=(70,), hidden=48, vocab=vocab, chunk_size=chunk_size, bias=True,
+          ignore=0.25, label_smoothing=0.2, z_loss=1e-2)
+    assert len(fused) == (3 if chunk_size else 1)
+
+
 def test_accuracy_stats_through_fused_gemm(fused):
     x = torch.randn(40, 32, device=DEVICE).half()
     w = (torch.randn(256, 32, device=DEVICE) / 32**0.5 * 3).half()
@@ -169,7 +183,9 @@ def test_not_used_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert lt.supported(x, w, None) and lt.supported(x, w, b)
-    assert not lt.supported(x, w[:999], None)  # logits rows not 16-byte aligned
+    assert lt.supported(x, w[:999], None)  # any V: the logits go into rows padded to 16 bytes
+    assert not lt.tma_ready(torch.empty(512, 999).half())
+    assert lt.tma_ready(gemm.padded_rows(512, 999, x.dtype, x.device))
     assert not lt.supported(x.float(), w.float(), None)  # 16-bit floats only
     assert not lt.supported(x[: lt.MIN_ROWS - 1], w, None)  # small batches keep cuBLAS
     assert not lt.supported(x, w, torch.randn(2000).half()[::2])  # a strided bias

@@ -6,8 +6,9 @@ and weight. Kinds:
   ignored;
 - ``masked-mean``, shapes BT x H x V: ``reduction="none"`` rows, then (rows * mask).sum() / mask.sum() with 10%
   of the rows masked (the per-row grad_output path);
-- ``mean``, ``smoothing`` and ``softcap``, shapes BT x H x V: ``flce.linear_cross_entropy``'s mean, as such, with
-  ``label_smoothing=0.1`` (which keeps a single chunk on the standard path) and with ``softcap=30.0``;
+- ``mean``, ``smoothing``, ``softcap`` and ``low-memory``, shapes BT x H x V: ``flce.linear_cross_entropy``'s mean,
+  as such, with ``label_smoothing=0.1`` (which keeps a single chunk on the standard path), with ``softcap=30.0``
+  and with ``low_memory=True``;
 - ``log-probs``, shapes BT x H x V: ``flce.linear_log_probs``' mean log-prob (TRL's head without entropy).
 
 GPU only:
@@ -61,7 +62,8 @@ def log_probs_step(rows: int, hidden: int, vocab: int):
 
 KINDS = {"grouped": grouped_step, "masked-mean": masked_mean_step, "mean": mean_step,
          "smoothing": lambda *shape: mean_step(*shape, label_smoothing=0.1),
-         "softcap": lambda *shape: mean_step(*shape, softcap=30.0), "log-probs": log_probs_step}
+         "softcap": lambda *shape: mean_step(*shape, softcap=30.0), "log-probs": log_probs_step,
+         "low-memory": lambda *shape: mean_step(*shape, low_memory=True)}
 
 
 def step_times(step) -> tuple[list[float], float]:

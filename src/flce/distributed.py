@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .checks import check_and_compact, check_class_weight, check_tensors, compute_dtype, flat_targets
 from .function import (ChunkGrads, LossParts, chunk_logits, finish_forward, not_twice_differentiable, release,
                        scale_grads, scaled_operand, settle_residual, split_scale, take_grads)
-from .gemm import column_sums_into, mm_into
+from .gemm import column_sums_into, mm_into, padded_rows
 from .import_hooks import compile_disabled
 from .kernels import math_dtype, resolve_backend
 from .kernels.ce_vocab_parallel import ROW_MAX, STATS, SUM_EXP, SUM_LOGITS, TARGET_LOGIT, shard_grad, shard_stats
@@ -286,7 +286,7 @@ def _chunk_loop(
             grads.weight.zero_()
         return parts, grads
 
-    buffer = torch.empty(plan.rows, weight.shape[0], dtype=setup.compute_dtype, device=dev)
+    buffer = padded_rows(plan.rows, weight.shape[0], setup.compute_dtype, dev)
     ce_scale, residual = grad_scale, None
     if grad and setup.compute_dtype.itemsize == 2 and (grad_scale.dim() == 0 or not need_b):
         # as the one-device loop (``function.split_scale``); a per-row grad_output (reduction="none") per row

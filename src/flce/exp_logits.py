@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import HostCopy
-from .gemm import first_cols, mm_into
+from .gemm import first_cols, mm_into, padded_rows
 from .options import LossOptions
 
 # Fewest rows: below, the pass saved is short and the path's own launches weigh more (small batches).
@@ -88,8 +88,9 @@ def applies(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, needs
 
 
 def eligible(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, grad_scale: torch.Tensor | None,
-             opts: LossOptions, want_correct: bool, backend: str) -> bool:
-    """Whether a chunk's shapes, dtypes and options suit the path (no bias gradient asked of it)."""
+             opts: LossOptions, want_correct: bool, backend: str, out: torch.Tensor | None = None) -> bool:
+    """Whether a chunk's shapes, dtypes and options suit the path (no bias gradient asked of it), storing e
+    into ``out`` if given (rows 16-byte aligned: ``logits_triton.tma_ready``)."""
     if backend != "triton" or x_c.shape[0] < MIN_ROWS or x_c.dtype not in WINDOWS or want_correct:
         return False
     if opts.label_smoothing > 0.0 or opts.z_loss > 0.0 or opts.softcap is not None:
@@ -98,7 +99,7 @@ def eligible(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, grad
         return False
     from .kernels import logits_triton
 
-    if not logits_triton.supported(x_c, w, bias):
+    if not logits_triton.supported(x_c, w, bias) or not (out is None or logits_triton.tma_ready(out)):
         return False
     return not (x_c.is_cuda and torch.cuda.is_current_stream_capturing())  # backward's wait cannot be captured
 
@@ -120,7 +121,7 @@ def forward_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     kept for backward. x_c (n, H), w (V, H), bias (V,) or None, target (n,); ``counts``/``total``/
     ``grad_scale`` as in ``kernels.ce_chunk`` (with counts the kernel writes grad_scale and the mean)."""
     n = x_c.shape[0]
-    e = torch.empty(n, w.shape[0], dtype=x_c.dtype, device=x_c.device)
+    e = padded_rows(n, w.shape[0], x_c.dtype, x_c.device)
     ints = torch.zeros(n + 1, dtype=torch.int32, device=x_c.device)  # the keys, then the window's count
     keys, misses = ints[:n], ints[n:]
     coef = _store_exp_and_rows(x_c, w, bias, target, class_weight, opts, e, loss, lse, keys, misses, counts, total,
@@ -139,7 +140,7 @@ def grads_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, t
     (m, H), any row stride, times ``scale`` (0-d), from float32 products of ``product_cols`` columns
     (``input_grad``), and the chunk's part of grad_weight's first k rows added to (or, without
     ``accumulate``, written into) ``weight_sum`` (k, H) (``weight_grad``), and of grad_bias's first k added to
-    ``bias_sum`` (k,). x_c (m, H), w (V, H), e (m, V) contiguous."""
+    ``bias_sum`` (k,). x_c (m, H), w (V, H), e (m, V) with unit-stride rows."""
     keys = torch.empty(x_c.shape[0], dtype=torch.int32, device=e.device)  # grad_weight's sort keys
     coef = _store_exp_and_rows(x_c, w, bias, target, class_weight, opts, e, loss, lse, keys, misses)
     if grad_input is not None:

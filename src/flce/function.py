@@ -42,7 +42,7 @@ import torch
 
 from . import exp_logits, loss_only
 from .exp_logits import PendingExp
-from .gemm import bmm_into, column_sums_into, first_cols, mm_into, mm_new
+from .gemm import bmm_into, column_sums_into, first_cols, mm_into, mm_new, padded_rows
 from .kernels import ce_chunk, math_dtype
 from .kernels.scale import scale_into
 from .options import LossOptions
@@ -202,8 +202,8 @@ def chunk_loop(
                                                            chunk_rows=plan.rows):
         return parts, grads
     # One chunk: its GEMM allocates the logits (small batches are launch-bound: one host call fewer).
-    buffer = memory.buffer if memory is not None else torch.empty(
-        plan.rows, vocab, dtype=compute_dtype, device=dev) if plan.num_chunks > 1 else None
+    buffer = memory.buffer if memory is not None else padded_rows(
+        plan.rows, vocab, compute_dtype, dev) if plan.num_chunks > 1 else None
     row_scale = grad and grad_scale.dim() == 1
     # Chunks that compute grad_input alone (and a share of grad_weight and grad_bias in the caller's memory)
     # may store exp(logits) where the plan budgets the product.
@@ -227,12 +227,12 @@ def chunk_loop(
             return parts, exp_logits.forward_chunk(x_c, w, bias, target, parts.loss, parts.lse, parts.total,
                                                    class_weight, weight_sum, grad_scale, opts, counts)
         out = _take(buffer, slice(None, end - start))
-        if exp_input and exp_logits.eligible(x_c, w, bias, grad_scale, opts, want_correct, backend):
+        if exp_input and exp_logits.eligible(x_c, w, bias, grad_scale, opts, want_correct, backend, out):
             if misses is None and not exp_logits.take_turn(dev):
                 exp_input = False  # the device cools down after a miss: this call keeps the standard path
             else:
                 misses = torch.zeros(1, dtype=torch.int32, device=dev) if misses is None else misses
-                e = torch.empty(end - start, vocab, dtype=compute_dtype, device=dev) if out is None else out
+                e = padded_rows(end - start, vocab, compute_dtype, dev) if out is None else out
                 exp_logits.grads_chunk(x_c, w, bias, _take(target, rows), _take(parts.loss, rows),
                                        _take(parts.lse, rows), class_weight, grad_scale, opts, e, misses,
                                        _take(grads.input, rows), plan.input_product_cols, grads.weight, i > 0,
@@ -351,17 +351,18 @@ def chunk_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     if backend == "triton":
         from .kernels import logits_triton
 
-        if logits_triton.supported(x_c, w, bias):
+        if logits_triton.supported(x_c, w, bias) and (out is None or logits_triton.tma_ready(out)):
             n, vocab = x_c.shape[0], w.shape[0]
-            logits = torch.empty(n, vocab, dtype=x_c.dtype, device=x_c.device) if out is None else out
+            logits = padded_rows(n, vocab, x_c.dtype, x_c.device) if out is None else out
             stats = torch.empty(1 + sums, n, logits_triton.num_tiles(vocab), dtype=torch.float32, device=x_c.device)
             tile_sum = stats[1] if sums else None
             logits_triton.logits_with_tile_stats(x_c, w, bias, logits, stats[0], tile_sum, opts)
             return logits, (stats[0], tile_sum)
     if out is None:
-        logits = torch.mm(x_c, w.t())
+        logits = mm_new(x_c, w.t(), x_c.dtype, padded=True)
     else:
-        logits = torch.mm(x_c, w.t(), out=out)
+        logits = out
+        mm_into(out, x_c, w.t(), accumulate=False)
     if bias is not None:
         logits.add_(bias)
     return logits, None

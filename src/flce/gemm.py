@@ -13,6 +13,13 @@ import torch.nn.functional as F
 
 # Flipped by tests to exercise the fallback on builds that do have out_dtype.
 FORCE_FALLBACK = False
+# cuBLAS's fast kernels want every unit-stride extent and leading dimension a multiple of 16 bytes: with one
+# vocabulary entry more than 128256 (a token added to Llama 3's) its GEMMs of an 8192 x 4096 x 128257 step
+# took 203 ms against 37.6 (H200, benchmark/NOTES.md, Odd vocabularies). GEMMs on such extents run as an
+# aligned part and a remainder (``_split_gemm``), on buffers whose rows start 16-byte aligned
+# (``padded_rows``). Tests set SPLIT_ON_CPU to run the split where cuBLAS is not.
+ALIGN_BYTES = 16
+SPLIT_ON_CPU = False
 
 _OPS = {False: (torch.mm, torch.addmm), True: (torch.bmm, torch.baddbmm)}  # (write, accumulate)
 
@@ -47,14 +54,34 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: 
     _gemm_into(out, a, b, accumulate, batched=False)
 
 
-def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """a @ b as a new (m, n) tensor of ``dtype``. Where ``mm_into`` would add nothing to the plain GEMM
-    (same dtype, K > 1) torch allocates the output itself: one host call fewer on launch-bound steps."""
-    if dtype == a.dtype and a.shape[1] != 1:
+def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, padded: bool = False) -> torch.Tensor:
+    """a @ b as a new (m, n) tensor of ``dtype``: contiguous, or with ``padded`` rows that start 16-byte
+    aligned (``padded_rows``: a buffer other GEMMs read). Where ``mm_into`` would add nothing to the plain
+    GEMM (same dtype, K > 1, aligned extents) torch allocates the output itself: one host call fewer on
+    launch-bound steps."""
+    if dtype == a.dtype and a.shape[1] != 1 and not any(_splits(a, b, unit_n=True)):
         return torch.mm(a, b)
-    out = torch.empty((a.shape[0], b.shape[1]), dtype=dtype, device=a.device)
+    if padded:
+        out = padded_rows(a.shape[0], b.shape[1], dtype, a.device)
+    else:
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=dtype, device=a.device)
     mm_into(out, a, b, accumulate=False)
     return out
+
+
+def padded_width(cols: int, dtype: torch.dtype) -> int:
+    """cols rounded up to a whole number of 16 bytes of ``dtype``: the row stride of ``padded_rows``."""
+    per = max(ALIGN_BYTES // dtype.itemsize, 1)
+    return -(-cols // per) * per
+
+
+def padded_rows(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty (rows, cols) tensor whose rows start 16-byte aligned: contiguous when cols allows, else a
+    view of a slightly wider allocation (row stride rounded up), which GEMMs and TMA descriptors take."""
+    width = padded_width(cols, dtype)
+    if width == cols:
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    return torch.empty(rows, width, dtype=dtype, device=device)[:, :cols]
 
 
 def first_cols(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -87,7 +114,57 @@ def bmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate:
     _gemm_into(out, a, b, accumulate, batched=True)
 
 
+def _splits(a: torch.Tensor, b: torch.Tensor, unit_n: bool, unit_m: bool = False) -> tuple[int, int, int]:
+    """(m, n, k) of a 16-bit GEMM cut down to the multiple of 8 below wherever that extent runs along unit
+    stride in an operand (or, per ``unit_n`` / ``unit_m``, in the output) and is no such multiple: where
+    ``_split_gemm`` cuts. All zeros where nothing needs a cut (and off CUDA, unless ``SPLIT_ON_CPU``)."""
+    if not (a.is_cuda or SPLIT_ON_CPU) or a.dim() != 2 or a.element_size() != 2:
+        return 0, 0, 0
+    per = ALIGN_BYTES // a.element_size()
+    (m, k), n = a.shape, b.shape[1]
+
+    def cut(size: int, unit: bool) -> int:
+        return size // per * per if unit and size > per and size % per else 0
+
+    # A vector's strides say nothing of its layout: an operand counts only where its other extent is > 1.
+    return (cut(m, unit_m or (a.stride(0) == 1 and k > 1)), cut(n, unit_n or (b.stride(1) == 1 and k > 1)),
+            cut(k, (a.stride(1) == 1 and m > 1) or (b.stride(0) == 1 and n > 1)))
+
+
+def _reads_past_rows(a: torch.Tensor) -> bool:
+    """Whether torch would read past a's rows: on the CPU (torch 2.13) a bf16 (add)mm whose first operand has
+    rows padded beyond its columns (``padded_rows``) takes the padding into its sums."""
+    return (a.device.type == "cpu" and a.dtype == torch.bfloat16 and a.dim() == 2 and a.shape[0] > 1
+            and a.stride(1) == 1 and a.stride(0) != a.shape[1])
+
+
+def _split_gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> bool:
+    """out (+)= a @ b as GEMMs on 16-byte multiples plus a remainder of fewer than 8 (16-bit) rows, columns
+    or terms, if an extent needs it (``_splits``); False if none does. A cut of K sums the two products in
+    float32 before the output's one rounding."""
+    m, n, k = _splits(a, b, out.stride(1) == 1 and out.shape[0] > 1, out.stride(0) == 1 and out.shape[1] > 1)
+    if m:
+        _gemm_into(out[:m], a[:m], b, accumulate, batched=False)
+        _gemm_into(out[m:], a[m:], b, accumulate, batched=False)
+    elif n:
+        _gemm_into(out[:, :n], a, b[:, :n], accumulate, batched=False)
+        _gemm_into(out[:, n:], a, b[:, n:], accumulate, batched=False)
+    elif k:
+        wide = out if out.element_size() > 2 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        _gemm_into(wide, a[:, :k], b[:k], accumulate and wide is out, batched=False)
+        _gemm_into(wide, a[:, k:], b[k:], True, batched=False)
+        if wide is not out and accumulate:
+            out.add_(wide)
+        elif wide is not out:
+            out.copy_(wide)
+    return bool(m or n or k)
+
+
 def _gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool, batched: bool) -> None:
+    if not batched and _split_gemm(out, a, b, accumulate):
+        return
+    if _reads_past_rows(a):
+        a = a.contiguous()
     mm, addmm = _OPS[batched]
     kwargs = {}
     if out.dtype != a.dtype:

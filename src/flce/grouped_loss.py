@@ -303,7 +303,8 @@ def _group_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     if backend == "triton":
         from .kernels import logits_triton
 
-        if all(logits_triton.supported(x_c[g], w[g], None if bias is None else bias[g]) for g in heads):
+        if all(logits_triton.supported(x_c[g], w[g], None if bias is None else bias[g])
+               and logits_triton.tma_ready(logits[g]) for g in heads):
             groups, rows, vocab = logits.shape
             stats = torch.empty(2, groups, rows, logits_triton.num_tiles(vocab), dtype=torch.float32,
                                 device=logits.device)

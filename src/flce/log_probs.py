@@ -27,6 +27,7 @@ from . import loss_only
 from .checks import check_tensors, compute_dtype, raise_bad_targets
 from .distributed import is_dtensor
 from .function import ChunkGrads, chunk_logits, gradient_gemms, scale_grads, split_scale
+from .gemm import padded_rows
 from .import_hooks import compile_disabled
 from .kernels import resolve_backend
 from .kernels import token_stats as kernels
@@ -247,7 +248,7 @@ def chunk_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 g.zero_()
         return grads
     w = _in_dtype(weight, spec.compute_dtype)
-    buffer = torch.empty(plan.rows, vocab, dtype=spec.compute_dtype, device=dev) if plan.num_chunks > 1 else None
+    buffer = padded_rows(plan.rows, vocab, spec.compute_dtype, dev) if plan.num_chunks > 1 else None
     grad, residual = (grad, None) if unit else _split_rows(grad, grads, spec)
     opts = _loss_options(spec.tf)
     for i, (start, end) in enumerate(plan.bounds()):

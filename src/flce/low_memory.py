@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .function import LoopMemory, LoopSpec
-from .gemm import column_sums_into, mm_into
+from .gemm import column_sums_into, mm_into, padded_width
 from .kernels import math_dtype
 from .kernels.ce_block_torch import RowTerms, ce_block_torch
 from .kernels.scale import scale_into
@@ -73,7 +73,7 @@ def block_logits_grad(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Ten
         if block_gemm_triton.supported(x, w_block, b_block, out):
             block_gemm_triton.block_logits_grad_triton(x, w_block, b_block, out, col_start, vocab, terms, opts)
             return
-    torch.mm(x, w_block.t(), out=out)
+    mm_into(out, x, w_block.t(), accumulate=False)
     if b_block is not None:
         out.add_(b_block)
     if backend == "triton":
@@ -144,9 +144,10 @@ def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     for start, end, scratch in plan.blocks(vocab, borrow=grad_w is not None, start=first):
         cols = end - start
         if scratch is None:
+            width = padded_width(cols, compute_dtype)  # rows 16-byte aligned (the last block's width may be odd)
             if buffer is None:  # allocated only for the blocks the borrowed room could not take
-                buffer = torch.empty(n * cols, dtype=compute_dtype, device=x.device)
-            dz = buffer[: n * cols].view(n, cols)  # contiguous, whatever the block's width
+                buffer = torch.empty(n * width, dtype=compute_dtype, device=x.device)
+            dz = buffer[: n * width].view(n, width)[:, :cols]
             w_block = _as_dtype(weight[start:end], compute_dtype)
         else:
             dz = _borrow(storage, scratch, (n, cols), compute_dtype)
@@ -307,7 +308,8 @@ def _forward_memory(spec: LoopSpec, weight: torch.Tensor, bias_grad: bool) -> tu
     grad_w = torch.empty(vocab, hidden, dtype=weight.dtype, device=weight.device)
     storage = grad_w.view(-1).view(torch.uint8)
     cast = _borrow(storage, 0, (vocab, hidden), spec.compute_dtype) if weight.dtype != spec.compute_dtype else None
-    buffer = _borrow(storage, plan.forward_buffer, (plan.rows, vocab), spec.compute_dtype)
+    width = padded_width(vocab, spec.compute_dtype)  # rows 16-byte aligned for the GEMM's stores
+    buffer = _borrow(storage, plan.forward_buffer, (plan.rows, width), spec.compute_dtype)[:, :vocab]
     weight_sum = _borrow(storage, plan.forward_offset, (plan.forward_cols, hidden), math_dtype(spec.compute_dtype))
     bias_sum = torch.zeros(plan.forward_cols, dtype=weight_sum.dtype, device=weight.device) if bias_grad else None
     return grad_w, LoopMemory(buffer, weight_sum, cast, bias_sum)

@@ -122,9 +122,9 @@ def _row_blocks(hidden: int, n_tiles: int) -> dict:
 
 
 @triton.jit
-def _exp_rows_kernel(e_ptr, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr, tile_max_ptr,
-                     tile_sum_ptr, loss_ptr, lse_ptr, coef_ptr, target_coef_ptr, key_ptr, counts_ptr, total_ptr,
-                     scale_ptr, miss_ptr, n_rows, V, H, n_tiles, ignore_index, inv_temp, lse_lo, lse_hi,
+def _exp_rows_kernel(e_ptr, stride_e, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class_weight_ptr,
+                     tile_max_ptr, tile_sum_ptr, loss_ptr, lse_ptr, coef_ptr, target_coef_ptr, key_ptr, counts_ptr,
+                     total_ptr, scale_ptr, miss_ptr, n_rows, V, H, n_tiles, ignore_index, inv_temp, lse_lo, lse_hi,
                      HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, MEAN_BY_COUNT: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
     n_valid = tl.zeros((), dtype=tl.int64)
@@ -145,7 +145,7 @@ def _exp_rows_kernel(e_ptr, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_p
         # The one-hot term: folded into e for a confident target (a * e[y] = w_y / T * (p_y - 1), no
         # cancellation), else left to backward as its own exact term (-w_y / T at the target).
         fold = valid & (z_y - lse >= -0.6931471805599453)  # p_y >= 1/2
-        tl.store(e_ptr + row * V + y, (tl.exp(lse) * _expm1(z_y - lse)).to(e_ptr.dtype.element_ty), mask=fold)
+        tl.store(e_ptr + row * stride_e + y, (tl.exp(lse) * _expm1(z_y - lse)).to(e_ptr.dtype.element_ty), mask=fold)
         apart = valid & ~fold
         tl.store(target_coef_ptr + row, tl.where(apart, w_y * inv_temp + poison, 0.0))
         tl.store(key_ptr + row, tl.where(apart, y, V).to(tl.int32))  # backward's sort key: rows apart first
@@ -162,7 +162,7 @@ def exp_rows(e: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch
              opts: LossOptions,
              window: tuple[float, float], counts: torch.Tensor | None = None, total: torch.Tensor | None = None,
              scale: torch.Tensor | None = None) -> None:
-    """Launch the forward row kernel. e (n, V) contiguous: the stored exp(z), its target entries rewritten;
+    """Launch the forward row kernel. e (n, V), unit-stride rows: the stored exp(z), its target entries rewritten;
     x (n, H), weight (V, H) with unit-stride rows, bias (V,) or None: the GEMM's operands; target (n,) int64;
     tile_stats: the GEMM's (n, T) max and sum; loss, lse, coef, target_coef (n,) float32 outputs (0 on
     ignored rows; target_coef: w_y / T where the one-hot term is left to backward, else 0); keys (n,) int32:
@@ -172,11 +172,11 @@ def exp_rows(e: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch
     valid rows, ``total`` = the mean."""
     n, vocab = e.shape
     hidden = x.shape[1]
-    assert e.is_contiguous() and x.stride(1) == 1 and weight.stride(1) == 1
+    assert e.stride(1) == 1 and x.stride(1) == 1 and weight.stride(1) == 1
     tile_max, tile_sum = tile_stats
     mean_by_count = counts is not None
     _exp_rows_kernel[(min(n, 16 * _sm_count(e.device.index)),)](
-        e, x, x.stride(0), weight, weight.stride(0), bias if bias is not None else loss, target,
+        e, e.stride(0), x, x.stride(0), weight, weight.stride(0), bias if bias is not None else loss, target,
         class_weight if class_weight is not None else loss, tile_max, tile_sum, loss, lse, coef, target_coef, keys,
         counts if mean_by_count else misses, total if mean_by_count else loss, scale if mean_by_count else loss,
         misses, n, vocab, hidden, tile_max.shape[1], opts.ignore_index,

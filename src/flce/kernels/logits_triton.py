@@ -164,7 +164,7 @@ def num_tiles(vocab: int) -> int:
     return triton.cdiv(vocab, TILE.block_n)
 
 
-def _tma_ready(t: torch.Tensor) -> bool:
+def tma_ready(t: torch.Tensor) -> bool:
     """A tensor descriptor needs unit inner stride, 16-byte aligned outer strides and base address."""
     return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
@@ -184,16 +184,16 @@ def hopper(device: torch.device) -> bool:
 
 def supported(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether this path can run the chunk (Hopper or newer, 16-bit floats, TMA-able layouts, a unit-stride
-    bias, enough rows, a vocabulary). The logits rows must then be 16-byte aligned too (V % 8 == 0)."""
+    bias, enough rows, a vocabulary). Rows of the logits it stores must start 16-byte aligned too
+    (``tma_ready``; any V: ``gemm.padded_rows``)."""
     return (
         x_c.shape[0] >= MIN_ROWS
         and weight.shape[0] > 0
         and x_c.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x_c.dtype
-        and weight.shape[0] % 8 == 0
         and (bias is None or bias.stride(0) == 1)
-        and _tma_ready(x_c)
-        and _tma_ready(weight)
+        and tma_ready(x_c)
+        and tma_ready(weight)
         and hopper(x_c.device)
     )
 
