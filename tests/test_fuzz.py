@@ -146,6 +146,9 @@ def test_random_cases_match_reference(n, hidden, vocab, lead, chunk, ignore, bia
     class_weight=st.booleans(), opts=options, num_items=st.sampled_from(["none", "none", "float"]),
     backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**31 - 1),
 )
+@example(B=1, G=1, hidden=3, vocab=1, group_major=False, group_reduction="sum", chunk=None, ignore=0.0, bias=False,
+         class_weight=True, opts={"reduction": "none", "label_smoothing": 0.05, "z_loss": 0.0, "softcap": None,
+                                  "temperature": 1.0}, num_items="none", backend="torch", seed=0)
 def test_grouped_random_cases_match_reference(B, G, hidden, vocab, group_major, group_reduction, chunk, ignore, bias,
                                               class_weight, opts, num_items, backend, seed):
     g = torch.Generator().manual_seed(seed)
@@ -179,8 +182,8 @@ def test_grouped_random_cases_match_reference(B, G, hidden, vocab, group_major, 
         floors = [v.norm().item() if v is not None else 0.0 for v in grads_nc()]
     for name, got, want, floor in zip(("input", "weight", "bias"), (x.grad, w.grad, b.grad if b is not None else None),
                                       ref_grads(), floors):
-        if want is not None:
-            assert_grad_close(got, want, 1e-4, floor, f"grad_{name}")
+        if want is not None:  # atol: V = 1 with smoothing, an exact 0 from O(1) terms (1e-9 off in float32)
+            assert_grad_close(got, want, 1e-4, floor, f"grad_{name}", atol=1e-6)
 
 
 @given(
