@@ -111,22 +111,23 @@ def test_splits_cut_unit_stride_extents_only(monkeypatch):
     assert gemm._splits(a, b, unit_n=True) == (0, 0, 0)  # on the CPU only when asked
 
 
+@pytest.mark.parametrize("batch", [(), (3,)])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("layout", ["k", "n", "m"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_split_gemm_rounds_once(device, monkeypatch, accumulate, layout, out_dtype):
-    """A GEMM cut into an aligned part and a remainder of M, N or K (``_split_gemm``) gives the plain GEMM's
-    result: into a 16-bit output a cut of K sums both parts in float32 and rounds once (two roundings read
-    ~1.4x the rounding of the exact result)."""
+def test_split_gemm_rounds_once(device, monkeypatch, batch, accumulate, layout, out_dtype):
+    """A GEMM (or a batch of them) cut into an aligned part and a remainder of M, N or K (``_split_gemm``)
+    gives the plain GEMM's result: into a 16-bit output a cut of K sums both parts in float32 and rounds once
+    (two roundings read ~1.4x the rounding of the exact result)."""
     monkeypatch.setattr(gemm, "SPLIT_ON_CPU", True)
     m, n, k = {"k": (64, 48, 1003), "n": (64, 1003, 48), "m": (1003, 48, 64)}[layout]
-    a = torch.randn(m, k, device=device).bfloat16()
+    a = torch.randn(*batch, m, k, device=device).bfloat16()
     if layout == "m":  # column-major: m is the unit-stride extent
-        a = a.t().contiguous().t()
-    b = torch.randn(k, n, device=device).bfloat16()
-    start = torch.randn(m, n, device=device).to(out_dtype)
+        a = a.transpose(-1, -2).contiguous().transpose(-1, -2)
+    b = torch.randn(*batch, k, n, device=device).bfloat16()
+    start = torch.randn(*batch, m, n, device=device).to(out_dtype)
     out = start.clone()
-    assert gemm._split_gemm(out, a, b, accumulate)
+    assert gemm._split_gemm(out, a, b, accumulate, batched=bool(batch))
     want = a.double() @ b.double() + (start.double() if accumulate else 0.0)
     if out_dtype == torch.bfloat16:  # one rounding of the exact sum, as the plain (add)mm
         assert rel_err(out, want) <= 1.02 * rel_err(want.to(out_dtype), want)

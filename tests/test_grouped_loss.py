@@ -412,6 +412,18 @@ def test_through_the_hopper_gemm(hopper_gemm_calls, name, reduction, group_major
         assert len(hopper_gemm_calls) == 3 * 3 * (2 if reduction == "none" else 1)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 16])
+def test_odd_vocabulary_through_the_hopper_gemm(hopper_gemm_calls, monkeypatch, chunk_size):
+    """V not a multiple of 8: the heads' logits in rows padded to 16 bytes (the Hopper GEMM stores them there)
+    and the batched GEMMs cut V (``gemm._split_gemm``, on here as on CUDA); deferred single chunk and chunks."""
+    from flce import gemm
+
+    monkeypatch.setattr(gemm, "SPLIT_ON_CPU", True)
+    check("triton", DEVICE, B=40, G=3, hidden=32, vocab=601, dtype=HOPPER_DTYPE, chunk_size=chunk_size,
+          **dict(OPTIONS["all"]))
+    assert hopper_gemm_calls and len(hopper_gemm_calls) % 3 == 0  # every group of every chunk
+
+
 @pytest.mark.parametrize("chunk_size", [None, 32])
 def test_peaked_logits_through_the_hopper_gemm(monkeypatch, hopper_gemm, hopper_gemm_calls, chunk_size):
     """Logits of a trained model's spread (std 6, targets drawn from each head's softmax): the heads' GEMMs

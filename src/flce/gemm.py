@@ -115,44 +115,44 @@ def bmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate:
 
 
 def _splits(a: torch.Tensor, b: torch.Tensor, unit_n: bool, unit_m: bool = False) -> tuple[int, int, int]:
-    """(m, n, k) of a 16-bit GEMM cut down to the multiple of 8 below wherever that extent runs along unit
-    stride in an operand (or, per ``unit_n`` / ``unit_m``, in the output) and is no such multiple: where
+    """(m, n, k) of a 16-bit (batched) GEMM cut down to the multiple of 8 below wherever that extent runs along
+    unit stride in an operand (or, per ``unit_n`` / ``unit_m``, in the output) and is no such multiple: where
     ``_split_gemm`` cuts. All zeros where nothing needs a cut (and off CUDA, unless ``SPLIT_ON_CPU``)."""
-    if not (a.is_cuda or SPLIT_ON_CPU) or a.dim() != 2 or a.element_size() != 2:
+    if not (a.is_cuda or SPLIT_ON_CPU) or a.element_size() != 2:
         return 0, 0, 0
     per = ALIGN_BYTES // a.element_size()
-    (m, k), n = a.shape, b.shape[1]
+    (m, k), n = a.shape[-2:], b.shape[-1]
 
     def cut(size: int, unit: bool) -> int:
         return size // per * per if unit and size > per and size % per else 0
 
     # A vector's strides say nothing of its layout: an operand counts only where its other extent is > 1.
-    return (cut(m, unit_m or (a.stride(0) == 1 and k > 1)), cut(n, unit_n or (b.stride(1) == 1 and k > 1)),
-            cut(k, (a.stride(1) == 1 and m > 1) or (b.stride(0) == 1 and n > 1)))
+    return (cut(m, unit_m or (a.stride(-2) == 1 and k > 1)), cut(n, unit_n or (b.stride(-1) == 1 and k > 1)),
+            cut(k, (a.stride(-1) == 1 and m > 1) or (b.stride(-2) == 1 and n > 1)))
 
 
 def _reads_past_rows(a: torch.Tensor) -> bool:
     """Whether torch would read past a's rows: on the CPU (torch 2.13) a bf16 (add)mm whose first operand has
     rows padded beyond its columns (``padded_rows``) takes the padding into its sums."""
-    return (a.device.type == "cpu" and a.dtype == torch.bfloat16 and a.dim() == 2 and a.shape[0] > 1
-            and a.stride(1) == 1 and a.stride(0) != a.shape[1])
+    return (a.device.type == "cpu" and a.dtype == torch.bfloat16 and a.shape[-2] > 1
+            and a.stride(-1) == 1 and a.stride(-2) != a.shape[-1])
 
 
-def _split_gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> bool:
-    """out (+)= a @ b as GEMMs on 16-byte multiples plus a remainder of fewer than 8 (16-bit) rows, columns
-    or terms, if an extent needs it (``_splits``); False if none does. A cut of K sums the two products in
-    float32 before the output's one rounding."""
-    m, n, k = _splits(a, b, out.stride(1) == 1 and out.shape[0] > 1, out.stride(0) == 1 and out.shape[1] > 1)
+def _split_gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool, batched: bool) -> bool:
+    """out (+)= a @ b (each batch) as GEMMs on 16-byte multiples plus a remainder of fewer than 8 (16-bit)
+    rows, columns or terms, if an extent needs it (``_splits``); False if none does. A cut of K sums the two
+    products in float32 before the output's one rounding."""
+    m, n, k = _splits(a, b, out.stride(-1) == 1 and out.shape[-2] > 1, out.stride(-2) == 1 and out.shape[-1] > 1)
     if m:
-        _gemm_into(out[:m], a[:m], b, accumulate, batched=False)
-        _gemm_into(out[m:], a[m:], b, accumulate, batched=False)
+        _gemm_into(out[..., :m, :], a[..., :m, :], b, accumulate, batched)
+        _gemm_into(out[..., m:, :], a[..., m:, :], b, accumulate, batched)
     elif n:
-        _gemm_into(out[:, :n], a, b[:, :n], accumulate, batched=False)
-        _gemm_into(out[:, n:], a, b[:, n:], accumulate, batched=False)
+        _gemm_into(out[..., :n], a, b[..., :n], accumulate, batched)
+        _gemm_into(out[..., n:], a, b[..., n:], accumulate, batched)
     elif k:
         wide = out if out.element_size() > 2 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        _gemm_into(wide, a[:, :k], b[:k], accumulate and wide is out, batched=False)
-        _gemm_into(wide, a[:, k:], b[k:], True, batched=False)
+        _gemm_into(wide, a[..., :k], b[..., :k, :], accumulate and wide is out, batched)
+        _gemm_into(wide, a[..., k:], b[..., k:, :], True, batched)
         if wide is not out and accumulate:
             out.add_(wide)
         elif wide is not out:
@@ -161,7 +161,7 @@ def _split_gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate:
 
 
 def _gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool, batched: bool) -> None:
-    if not batched and _split_gemm(out, a, b, accumulate):
+    if _split_gemm(out, a, b, accumulate, batched):
         return
     if _reads_past_rows(a):
         a = a.contiguous()

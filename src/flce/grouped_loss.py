@@ -34,7 +34,7 @@ import torch
 from .checks import check_tensors, compute_dtype, flat_targets, raise_bad_targets
 from .function import (ChunkGrads, LinearCrossEntropyFunction, LoopSpec, LossParts, PendingGrads,
                        scaled_operand, scaled_product_into, settle_residual, split_scale, unit_dlogits)
-from .gemm import bmm_into
+from .gemm import bmm_into, padded_width
 from .grouped import check_group_bias, group_major_view
 from .import_hooks import compile_disabled
 from .kernels import ce_chunk, math_dtype, resolve_backend
@@ -230,8 +230,10 @@ def grouped_chunk_loop(
             parts.total = torch.zeros((), dtype=acc, device=dev)
         return parts, grads
 
-    # Flat buffers so that a shorter last chunk is still contiguous as (G * c, V).
-    logits_buffer = torch.empty(groups * plan.rows * vocab, dtype=compute_dtype, device=dev)
+    # Flat buffers so that a shorter last chunk still reads as (G * c, V) rows of one stride, padded to 16 bytes
+    # (``gemm.padded_width``: the GEMMs' and the TMA store's alignment at any V).
+    width = padded_width(vocab, compute_dtype)
+    logits_buffer = torch.empty(groups * plan.rows * width, dtype=compute_dtype, device=dev)
     token_buffer = torch.empty(3, groups * plan.rows, dtype=acc, device=dev)
     x_gm, t_gm = gm(x), gm(target)
     defer = defer and per_group and plan.num_chunks == 1
@@ -246,7 +248,7 @@ def grouped_chunk_loop(
     for i, (start, end) in enumerate(plan.bounds()):
         n = groups * (end - start)
         x_c = x_gm[:, start:end].to(compute_dtype)  # (G, c, H) view
-        logits = logits_buffer[: n * vocab].view(groups, end - start, vocab)
+        logits = logits_buffer[: n * width].view(groups, end - start, width)[..., :vocab]
         tile_stats = _group_logits(x_c, w, bias, logits, opts, backend)
         loss_c, lse_c, correct_c = token_buffer[:, :n]
         if per_token:
@@ -313,7 +315,7 @@ def _group_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                                                      stats[0, g], stats[1, g], opts)
             tile_max, tile_sum = stats.view(2, groups * rows, -1)
             return tile_max, tile_sum
-    torch.bmm(x_c, w.transpose(1, 2), out=logits)
+    bmm_into(logits, x_c, w.transpose(1, 2), accumulate=False)
     if bias is not None:
         logits.add_(bias[:, None, :])
     return None
