@@ -111,6 +111,10 @@ def num_items_for(t, choice):
          opts={"reduction": "none", "label_smoothing": 0.0, "z_loss": 0.1, "softcap": 30.0, "temperature": 0.5},
          dtype=torch.bfloat16, num_items="none", validate=True, accum=None, low_memory=False, backend="torch",
          seed=1)
+# No rows, low-memory, H = 1, V = 257: forward's one-row buffer, padded to 260 columns, outgrew grad_weight's storage.
+@example(n=0, hidden=1, vocab=257, lead=(), chunk=1, ignore=0.0, bias=False, class_weight=False,
+         opts={"reduction": "mean", "label_smoothing": 0.0, "z_loss": 0.0, "softcap": None, "temperature": 1.0},
+         dtype=torch.float32, num_items="none", validate=False, accum=None, low_memory=True, backend="torch", seed=0)
 def test_random_cases_match_reference(n, hidden, vocab, lead, chunk, ignore, bias, class_weight, opts, dtype,
                                       num_items, validate, accum, low_memory, backend, seed):
     g = torch.Generator().manual_seed(seed)

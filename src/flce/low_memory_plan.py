@@ -201,7 +201,9 @@ def _forward_share(n_rows: int, rows: int, vocab: int, hidden: int, size: int, g
     if rows < min(n_rows, FORWARD_MIN_ROWS):
         return 0, 0, 0
     start = round_up(cast_bytes, SCRATCH_ALIGN)
-    total, used = vocab * hidden * grad_size, start + rows * round_up(vocab, ALIGN_BYTES // size) * size
+    # the buffer the loop borrows: at least one row (the plan's rows), each padded to 16 bytes (``gemm.padded_width``)
+    used = start + max(rows, 1) * round_up(vocab, ALIGN_BYTES // size) * size
+    total = vocab * hidden * grad_size
     cols = min(max(total - used, 0) // max(hidden * sum_size, 1), vocab * grad_size // (grad_size + sum_size))
     cols = cols // BLOCK_ALIGN * BLOCK_ALIGN
     while cols > 0:
