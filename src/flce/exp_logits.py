@@ -90,7 +90,7 @@ def applies(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, needs
 def eligible(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, grad_scale: torch.Tensor | None,
              opts: LossOptions, want_correct: bool, backend: str, out: torch.Tensor | None = None) -> bool:
     """Whether a chunk's shapes, dtypes and options suit the path (no bias gradient asked of it), storing e
-    into ``out`` if given (rows 16-byte aligned: ``logits_triton.tma_ready``)."""
+    into ``out`` if given (``logits_triton.supported``)."""
     if backend != "triton" or x_c.shape[0] < MIN_ROWS or x_c.dtype not in WINDOWS or want_correct:
         return False
     if opts.label_smoothing > 0.0 or opts.z_loss > 0.0 or opts.softcap is not None:
@@ -99,7 +99,7 @@ def eligible(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, grad
         return False
     from .kernels import logits_triton
 
-    if not logits_triton.supported(x_c, w, bias) or not (out is None or logits_triton.tma_ready(out)):
+    if not logits_triton.supported(x_c, w, bias, out):
         return False
     return not (x_c.is_cuda and torch.cuda.is_current_stream_capturing())  # backward's wait cannot be captured
 

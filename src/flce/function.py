@@ -351,7 +351,7 @@ def chunk_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     if backend == "triton":
         from .kernels import logits_triton
 
-        if logits_triton.supported(x_c, w, bias) and (out is None or logits_triton.tma_ready(out)):
+        if logits_triton.supported(x_c, w, bias, out):
             n, vocab = x_c.shape[0], w.shape[0]
             logits = padded_rows(n, vocab, x_c.dtype, x_c.device) if out is None else out
             stats = torch.empty(1 + sums, n, logits_triton.num_tiles(vocab), dtype=torch.float32, device=x_c.device)

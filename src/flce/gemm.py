@@ -69,16 +69,17 @@ def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, padded: bool = 
     return out
 
 
-def padded_width(cols: int, dtype: torch.dtype) -> int:
-    """cols rounded up to a whole number of 16 bytes of ``dtype``: the row stride of ``padded_rows``."""
-    per = max(ALIGN_BYTES // dtype.itemsize, 1)
+def padded_width(cols: int, itemsize: int) -> int:
+    """cols rounded up to a whole number of 16 bytes of ``itemsize``-byte values: the row stride of
+    ``padded_rows``."""
+    per = max(ALIGN_BYTES // itemsize, 1)
     return -(-cols // per) * per
 
 
 def padded_rows(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An empty (rows, cols) tensor whose rows start 16-byte aligned: contiguous when cols allows, else a
     view of a slightly wider allocation (row stride rounded up), which GEMMs and TMA descriptors take."""
-    width = padded_width(cols, dtype)
+    width = padded_width(cols, dtype.itemsize)
     if width == cols:
         return torch.empty(rows, cols, dtype=dtype, device=device)
     return torch.empty(rows, width, dtype=dtype, device=device)[:, :cols]

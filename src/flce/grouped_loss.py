@@ -232,7 +232,7 @@ def grouped_chunk_loop(
 
     # Flat buffers so that a shorter last chunk still reads as (G * c, V) rows of one stride, padded to 16 bytes
     # (``gemm.padded_width``: the GEMMs' and the TMA store's alignment at any V).
-    width = padded_width(vocab, compute_dtype)
+    width = padded_width(vocab, compute_dtype.itemsize)
     logits_buffer = torch.empty(groups * plan.rows * width, dtype=compute_dtype, device=dev)
     token_buffer = torch.empty(3, groups * plan.rows, dtype=acc, device=dev)
     x_gm, t_gm = gm(x), gm(target)
@@ -305,8 +305,7 @@ def _group_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     if backend == "triton":
         from .kernels import logits_triton
 
-        if all(logits_triton.supported(x_c[g], w[g], None if bias is None else bias[g])
-               and logits_triton.tma_ready(logits[g]) for g in heads):
+        if all(logits_triton.supported(x_c[g], w[g], None if bias is None else bias[g], logits[g]) for g in heads):
             groups, rows, vocab = logits.shape
             stats = torch.empty(2, groups, rows, logits_triton.num_tiles(vocab), dtype=torch.float32,
                                 device=logits.device)

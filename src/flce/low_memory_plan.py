@@ -18,7 +18,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from .gemm import ALIGN_BYTES
+from .gemm import padded_width
 from .planner import ROW_ALIGN, ChunkPlan, _balanced, cdiv, product_cols, round_up
 
 # Bytes that the mode may add to the peak (64 MiB: 256 rows of a 128256-entry bf16 vocabulary, or
@@ -156,8 +156,7 @@ def plan_low_memory(
             budget += vocab * hidden * grad_dtype.itemsize
             if weight_cast:  # forward's copy of the weight in compute_dtype
                 budget -= vocab * hidden * size
-        # the logits buffer's rows are padded to 16 bytes (``gemm.padded_width``)
-        row_bytes = max(int(round_up(vocab, ALIGN_BYTES // size) * size + vocab * STATS_BYTES_PER_COLUMN), 1)
+        row_bytes = max(int(padded_width(vocab, size) * size + vocab * STATS_BYTES_PER_COLUMN), 1)  # padded rows
         rows = _balanced(n_rows, max(budget // row_bytes // ROW_ALIGN * ROW_ALIGN, ROW_ALIGN))
         spare = budget - rows * row_bytes
         if share:
@@ -201,8 +200,7 @@ def _forward_share(n_rows: int, rows: int, vocab: int, hidden: int, size: int, g
     if rows < min(n_rows, FORWARD_MIN_ROWS):
         return 0, 0, 0
     start = round_up(cast_bytes, SCRATCH_ALIGN)
-    # the buffer the loop borrows: at least one row (the plan's rows), each padded to 16 bytes (``gemm.padded_width``)
-    used = start + max(rows, 1) * round_up(vocab, ALIGN_BYTES // size) * size
+    used = start + max(rows, 1) * padded_width(vocab, size) * size  # the buffer the loop borrows: >= 1 padded row
     total = vocab * hidden * grad_size
     cols = min(max(total - used, 0) // max(hidden * sum_size, 1), vocab * grad_size // (grad_size + sum_size))
     cols = cols // BLOCK_ALIGN * BLOCK_ALIGN

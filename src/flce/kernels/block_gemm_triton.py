@@ -54,7 +54,7 @@ def _block_grad_gemm_kernel(x_desc, w_desc, out_desc, bias_ptr, target_ptr, lse_
 def supported(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Tensor | None, out: torch.Tensor) -> bool:
     """Whether the fused path can run this block (the logits GEMM's conditions, ``logits_triton.supported``,
     and a TMA-able output: rows of a multiple of 8 columns)."""
-    return logits_triton.supported(x, w_block, b_block) and logits_triton.tma_ready(out)
+    return logits_triton.supported(x, w_block, b_block, out)
 
 
 def block_logits_grad_triton(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Tensor | None, out: torch.Tensor,

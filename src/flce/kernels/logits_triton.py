@@ -182,10 +182,11 @@ def hopper(device: torch.device) -> bool:
     return nvidia_major(device) >= 9
 
 
-def supported(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def supported(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              out: torch.Tensor | None = None) -> bool:
     """Whether this path can run the chunk (Hopper or newer, 16-bit floats, TMA-able layouts, a unit-stride
-    bias, enough rows, a vocabulary). Rows of the logits it stores must start 16-byte aligned too
-    (``tma_ready``; any V: ``gemm.padded_rows``)."""
+    bias, enough rows, a vocabulary), storing into ``out`` if given: its rows must start 16-byte aligned too
+    (``tma_ready``; at any V a buffer from ``gemm.padded_rows`` does)."""
     return (
         x_c.shape[0] >= MIN_ROWS
         and weight.shape[0] > 0
@@ -194,6 +195,7 @@ def supported(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         and (bias is None or bias.stride(0) == 1)
         and tma_ready(x_c)
         and tma_ready(weight)
+        and (out is None or tma_ready(out))
         and hopper(x_c.device)
     )
 
