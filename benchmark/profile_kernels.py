@@ -1,7 +1,8 @@
 """Kernel-by-kernel GPU time of the floor's three GEMMs and of flce steps, in one process.
 
 GPU only. Usage: PYTHONPATH=src python benchmark/profile_kernels.py [--shape 8192x4096x128256]
-[--chunk-sizes default,8192] [--accum-dtype bfloat16] [--low-memory] [--exp-logits-off]. Prints, per
+[--chunk-sizes default,8192] [--accum-dtype bfloat16] [--low-memory] [--exp-logits-off]
+[--row-align-bytes 16,128]. Prints, per
 variant, the summed CUDA time of each kernel name over ``--steps`` steps and the wall time per step, so the
 gap between a step and its kernels is visible.
 """
@@ -49,6 +50,9 @@ def main():
     p.add_argument("--low-memory", action="store_true", help="also profile low_memory=True")
     p.add_argument("--exp-logits-off", action="store_true",
                    help="also profile the default step with the exp-logits path off (exp_logits.py)")
+    p.add_argument("--row-align-bytes", default=None,
+                   help="also profile the default step with these row strides of the logits buffers "
+                        "(gemm.ROW_ALIGN_BYTES; they differ only where V is no multiple of 8)")
     args = p.parse_args()
     bt, hidden, vocab = map(int, args.shape.split("x"))
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -82,6 +86,16 @@ def main():
             with patch.object(exp_logits, "MIN_ROWS", 1 << 62):
                 _run("flce, exp-logits path off", step, args.steps)
             torch.cuda.empty_cache()
+    for align in args.row_align_bytes.split(",") if args.row_align_bytes else ():
+        from flce import gemm
+
+        def aligned_step():
+            x.grad = w.grad = None
+            flce.linear_cross_entropy(x, w, t).backward()
+
+        with patch.object(gemm, "ROW_ALIGN_BYTES", int(align)):
+            _run(f"flce, rows of {align} bytes", aligned_step, args.steps)
+        torch.cuda.empty_cache()
     if args.low_memory:
         def low_memory_step():
             x.grad = w.grad = None

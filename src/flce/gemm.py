@@ -19,6 +19,9 @@ FORCE_FALLBACK = False
 # aligned part and a remainder (``_split_gemm``), on buffers whose rows start 16-byte aligned
 # (``padded_rows``). Tests set SPLIT_ON_CPU to run the split where cuBLAS is not.
 ALIGN_BYTES = 16
+# The row stride of ``padded_rows`` buffers, in bytes (a multiple of ALIGN_BYTES; 128 and 256 read the same as
+# 16 on an H200, benchmark/probes/row_align_probe.py).
+ROW_ALIGN_BYTES = 16
 SPLIT_ON_CPU = False
 
 _OPS = {False: (torch.mm, torch.addmm), True: (torch.bmm, torch.baddbmm)}  # (write, accumulate)
@@ -72,7 +75,7 @@ def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, padded: bool = 
 def padded_width(cols: int, itemsize: int) -> int:
     """cols rounded up to a whole number of 16 bytes of ``itemsize``-byte values: the row stride of
     ``padded_rows``."""
-    per = max(ALIGN_BYTES // itemsize, 1)
+    per = max(ROW_ALIGN_BYTES // itemsize, 1)
     return -(-cols // per) * per
 
 
