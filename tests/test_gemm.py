@@ -146,3 +146,30 @@ def test_padded_rows_of_the_first_operand(device, accumulate):
     out = torch.zeros(64, 48, device=device)
     gemm.mm_into(out, a, b, accumulate=accumulate)
     assert rel_err(out, a.double() @ b.double()) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cut_gemms_past_2_31_elements(dtype):
+    """A logits buffer of more than 2**31 elements at a vocabulary that is no multiple of 8 (16800 rows of
+    128257, as one chunk of 32768 x 128257 would be): the three cut GEMMs, each checked on its remainder and on
+    the buffer's last rows (writing the remainder columns in place failed in cuBLAS)."""
+    rows, hidden, vocab = 16800, 64, 128257
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype)
+    w = torch.randn(vocab, hidden, device="cuda", generator=g).to(dtype)
+    logits = gemm.padded_rows(rows, vocab, dtype, x.device)
+    assert logits.shape[0] * logits.stride(0) > 2**31
+    gemm.mm_into(logits, x, w.t(), accumulate=False)
+    tail = slice(rows - 64, rows)
+    assert rel_err(logits[tail], x[tail].double() @ w.double().t()) < 1e-2
+    assert rel_err(logits[:, -3:], x.double() @ w[-3:].double().t()) < 1e-2
+    logits.copy_(torch.rand(rows, vocab, device="cuda", generator=g, dtype=dtype) - 0.5)
+    # float32 sums over 128257 terms read ~5e-5 (H200); a term left out would read ~3e-3
+    grad_input = torch.empty(rows, hidden, device="cuda")
+    gemm.mm_into(grad_input, logits, w, accumulate=False)
+    assert rel_err(grad_input[tail], logits[tail].double() @ w.double()) < 3e-4
+    grad_weight = torch.zeros(vocab, hidden, device="cuda")
+    gemm.mm_into(grad_weight, logits.t(), x, accumulate=True)
+    assert rel_err(grad_weight[-9:], logits[:, -9:].double().t() @ x.double()) < 3e-4
+    torch.cuda.synchronize()

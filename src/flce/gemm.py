@@ -73,8 +73,8 @@ def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, padded: bool = 
 
 
 def padded_width(cols: int, itemsize: int) -> int:
-    """cols rounded up to a whole number of 16 bytes of ``itemsize``-byte values: the row stride of
-    ``padded_rows``."""
+    """cols rounded up to a whole number of ``ROW_ALIGN_BYTES`` (16) of ``itemsize``-byte values: the row stride
+    of ``padded_rows``."""
     per = max(ROW_ALIGN_BYTES // itemsize, 1)
     return -(-cols // per) * per
 
@@ -152,7 +152,7 @@ def _split_gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate:
         _gemm_into(out[..., m:, :], a[..., m:, :], b, accumulate, batched)
     elif n:
         _gemm_into(out[..., :n], a, b[..., :n], accumulate, batched)
-        _gemm_into(out[..., n:], a, b[..., n:], accumulate, batched)
+        _narrow_into(out[..., n:], a, b[..., n:], accumulate, batched)
     elif k:
         wide = out if out.element_size() > 2 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
         _gemm_into(wide, a[..., :k], b[..., :k, :], accumulate and wide is out, batched)
@@ -162,6 +162,18 @@ def _split_gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate:
         elif wide is not out:
             out.copy_(wide)
     return bool(m or n or k)
+
+
+def _narrow_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool, batched: bool) -> None:
+    """out (+)= a @ b for the fewer than 8 columns a cut of N leaves, through a contiguous product in float32 (one
+    rounding, as addmm's): cuBLAS failed writing them in place into a buffer of more than 2**31 elements
+    (CUBLAS_STATUS_EXECUTION_FAILED, else an illegal address; 32768 x 128257 logits, H200, torch 2.11)."""
+    part = torch.empty(out.shape, dtype=torch.promote_types(out.dtype, torch.float32), device=out.device)
+    _gemm_into(part, a, b, False, batched)
+    if accumulate:
+        out.add_(part)
+    else:
+        out.copy_(part)
 
 
 def _gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool, batched: bool) -> None:
