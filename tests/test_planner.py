@@ -27,6 +27,16 @@ def test_budget_sets_rows_for_llama3_head():
     assert plan.num_chunks == 8192 // plan.rows
 
 
+@pytest.mark.parametrize("vocab", [128257, 32001, 1023])
+def test_budget_counts_padded_rows(vocab):
+    """At V % 8 != 0 the buffer's rows are padded to 16 bytes (``gemm.padded_rows``): a budget of k padded rows
+    plans at most k rows, where counting V columns a row would plan one chunk of k + 1."""
+    width = -(-vocab // 8) * 8
+    k = max(MIN_ROWS, vocab // (width - vocab) + 1)  # (k + 1) * vocab <= k * width
+    plan = plan_chunks(k + 1, vocab, torch.bfloat16, torch.bfloat16, memory_budget=k * width * 2)
+    assert plan.rows <= k and plan.num_chunks == 2
+
+
 def test_chunks_are_balanced():
     plan = plan_chunks(8193, 128256, torch.bfloat16, torch.bfloat16)
     _, rows = covered(plan)

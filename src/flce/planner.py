@@ -10,6 +10,8 @@ from typing import Iterator
 
 import torch
 
+from .gemm import padded_width
+
 # Bytes of one chunk's logits buffer. 512 MiB holds 2048 rows of a 128256-entry bf16 vocabulary.
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 # Fewest rows per chunk when the budget would allow less: the grad_weight GEMM of a chunk reads and
@@ -86,7 +88,7 @@ def plan_chunks(
     dtype is wider) so that the result is rounded once, not once per chunk.
     """
     if chunk_size is None:
-        row_bytes = max(vocab * compute_dtype.itemsize, 1)
+        row_bytes = max(padded_width(vocab, compute_dtype.itemsize) * compute_dtype.itemsize, 1)  # padded rows
         saved = vocab * weight_grad_hidden * 4 if accum_dtype is None and grad_dtype.itemsize < 4 else 0
         if n_rows * row_bytes <= memory_budget + saved:
             rows = max(n_rows, 1)
