@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flce.kernels import ce_chunk, resolve_backend, triton_available
+from flce.kernels import ce_chunk, ce_triton, resolve_backend, triton_available
 from flce.options import LossOptions
 
 pytestmark = pytest.mark.skipif(not triton_available(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
@@ -27,7 +27,10 @@ def run(backend, logits, target, opts, class_weight=None, grad_scale=None, stats
     LossOptions(softcap=2.5, temperature=0.8, ignore_index=3),
 ])
 @pytest.mark.parametrize("vocab", [1, 37, 5000])
-def test_triton_matches_torch_twin(device, dtype, opts, vocab):
+@pytest.mark.parametrize("block_v", [None, 2048])  # 2048: at V 5000 two whole blocks and a partial one
+def test_triton_matches_torch_twin(device, monkeypatch, dtype, opts, vocab, block_v):
+    if block_v:
+        monkeypatch.setattr(ce_triton, "LAUNCH", ce_triton.LaunchConfig(block_v=block_v, few_rows_block_v=block_v))
     n = 9
     logits = (torch.randn(n, vocab, device=device) * 3).to(dtype)
     target = torch.randint(0, vocab, (n,), device=device)

@@ -14,7 +14,7 @@ from test_api import check
 
 import flce
 from flce import gemm
-from flce.kernels import ce_chunk, triton_available
+from flce.kernels import ce_chunk, ce_triton, triton_available
 from flce.options import LossOptions
 
 pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="triton cannot run here")
@@ -110,9 +110,15 @@ def test_gemm_and_tile_stats_match_float64(fused, dtype, opts, with_bias):
 
 @pytest.mark.parametrize("opts", OPTIONS)
 @pytest.mark.parametrize("grad", [True, False])
-def test_ce_one_read_path_matches_two_passes(opts, grad):
-    """The CE kernel given tile statistics writes what its two-pass form writes (all outputs)."""
-    n, vocab, block_n = 9, 5000, 256  # several vocabulary blocks and tiles, a partial last tile
+@pytest.mark.parametrize("block_v", [None, 2048])  # 2048: two whole blocks and a partial one
+@pytest.mark.parametrize("vocab", [5000, 5001])  # 5001: rows padded to 5008, the padding poisoned with NaN
+def test_ce_one_read_path_matches_two_passes(monkeypatch, opts, grad, block_v, vocab):
+    """The CE kernel given tile statistics writes what its two-pass form writes (all outputs). In rows padded to
+    16 bytes (``gemm.padded_rows``) it takes whole 16-byte groups, the padding's included (``padded_groups``),
+    which changes none of them."""
+    if block_v:
+        monkeypatch.setattr(ce_triton, "LAUNCH", ce_triton.LaunchConfig(block_v=block_v, few_rows_block_v=block_v))
+    n, block_n = 9, 256  # several vocabulary blocks and tiles, a partial last tile
     logits = (torch.randn(n, vocab, device=DEVICE) * 3).bfloat16()
     target = torch.randint(0, vocab, (n,), device=DEVICE)
     target[1] = opts.ignore_index
@@ -127,6 +133,11 @@ def test_ce_one_read_path_matches_two_passes(opts, grad):
         outs = []
         for values, stats in inputs:
             buf = values.clone()
+            if stats is not None and vocab % 8:
+                buf = gemm.padded_rows(n, vocab, values.dtype, values.device)
+                buf.as_strided((n, buf.stride(0)), buf.stride()).fill_(float("nan"))
+                buf.copy_(values)
+                assert ce_triton.padded_groups(buf, 8)
             loss, lse, correct = (torch.full((n,), float("nan"), device=DEVICE) for _ in range(3))
             ce_chunk("triton", buf, target, loss, lse, correct, class_weight,
                      class_weight.sum() if class_weight is not None else None,
@@ -140,6 +151,7 @@ def test_ce_one_read_path_matches_two_passes(opts, grad):
             assert torch.allclose(one.float(), two.to(one.dtype).float(), rtol=rtol, atol=1e-6), name
         if not grad:
             assert torch.equal(outs[1][0], inputs[1][0])  # loss only: the stored values untouched
+    assert not ce_triton.padded_groups(torch.empty(n, vocab, dtype=torch.bfloat16, device=DEVICE), 8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -177,17 +177,21 @@ def _write_row_grad_once(row_ptr, tile_max_ptr, class_weight_ptr, V, y, lse, ext
                          smoothing_per_class, scale, keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr,
                          HAS_SMOOTHING: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                          COMPUTE_ACC: tl.constexpr, TILE_N: tl.constexpr,
-                         WRITE: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+                         WRITE: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, PADDED: tl.constexpr = False):
     """The only pass when lse is known beforehand (tile statistics): the gradient written over the row
     (``WRITE``), and the sum of z and argmax that the loss and accuracy need, from the same read. The values
-    are r less its tile's shift (``load_z``: the row's (T,) tile maxima at ``tile_max_ptr``)."""
+    are r less its tile's shift (``load_z``: the row's (T,) tile maxima at ``tile_max_ptr``). ``PADDED``: the
+    row (16-byte aligned) is padded to a multiple of VEC values (``gemm.padded_rows``), so the loads and stores
+    take whole groups of VEC, a 16-byte access each, the padding's included (a mask of cols < V would split
+    them where V is no multiple of 16)."""
     sum_z = 0.0
     best = float("-inf")
     best_idx = 0
     for start in range(0, V, BLOCK_V):
         lead, cols = block_cols(start, BLOCK_V, VEC)
         mask = cols < V
-        z_in, slope = load_z(row_ptr, tile_max_ptr, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP, True,
+        io_mask = (lead < V)[:, None] if PADDED else mask
+        z_in, slope = load_z(row_ptr, tile_max_ptr, lead, cols, io_mask, V, inv_temp, softcap, HAS_SOFTCAP, True,
                              TILE_N)
         z = tl.where(mask, z_in, float("-inf"))
         sum_z, best, best_idx = _extras(z_in, z, mask, cols, class_weight_ptr, sum_z, best, best_idx, HAS_WEIGHT,
@@ -195,7 +199,7 @@ def _write_row_grad_once(row_ptr, tile_max_ptr, class_weight_ptr, V, y, lse, ext
         if WRITE:
             g = _grad_block(z_in, slope, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef,
                             smoothing_per_class, scale, keep, HAS_WEIGHT, HAS_SMOOTHING, HAS_EXTRA, HAS_SOFTCAP)
-            tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
+            tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=io_mask)
     return sum_z, best_idx
 
 
@@ -256,13 +260,17 @@ def _ce_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr,
     VEC: tl.constexpr,
+    PADDED: tl.constexpr,
 ):
     n_valid = tl.zeros((), dtype=tl.int64)
     n_bad = tl.zeros((), dtype=tl.int64)
     # Each program takes rows round-robin, so one launch serves any chunk height.
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
-        row_ptr = logits_ptr + row * stride_row
+        if PADDED:  # the row stride is a multiple of VEC: rows start 16-byte aligned, as the compiler now knows
+            row_ptr = logits_ptr + row * (stride_row // VEC) * VEC
+        else:
+            row_ptr = logits_ptr + row * stride_row
         y = tl.load(target_ptr + row)
         valid = y != ignore_index
         # An unchecked target outside [0, V) poisons its row (NaN loss and gradient), never a number.
@@ -288,7 +296,7 @@ def _ce_kernel(
             if not COMPUTE_GRAD and (HAS_SMOOTHING or COMPUTE_ACC):
                 sum_z, best_idx = _write_row_grad_once(
                     row_ptr, tile_max_row, class_weight_ptr, V, y, lse, 0.0, 0.0, 0.0, 0.0, valid, inv_temp, softcap,
-                    HAS_WEIGHT, HAS_SMOOTHING, False, HAS_SOFTCAP, COMPUTE_ACC, TILE_N, False, BLOCK_V, VEC)
+                    HAS_WEIGHT, HAS_SMOOTHING, False, HAS_SOFTCAP, COMPUTE_ACC, TILE_N, False, BLOCK_V, VEC, PADDED)
         else:
             m, s, sum_z, best_idx = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT,
                                                HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V)
@@ -312,7 +320,7 @@ def _ce_kernel(
                 sum_z, best_idx = _write_row_grad_once(
                     row_ptr, tile_max_row, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y,
                     smoothing / V, scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
-                    HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, COMPUTE_ACC, TILE_N, True, BLOCK_V, VEC)
+                    HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, COMPUTE_ACC, TILE_N, True, BLOCK_V, VEC, PADDED)
             else:
                 _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y,
                                 smoothing / V, scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
@@ -351,6 +359,9 @@ class LaunchConfig:
     few_rows_warps: int = 16
 
 
+LAUNCH = LaunchConfig()  # what ce_chunk_triton launches unless given a config (tests shrink its blocks)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int | None) -> int:
     if not torch.cuda.is_available():
@@ -379,6 +390,17 @@ def tile_width(vocab: int, n_tiles: int) -> int:
     return triton.next_power_of_2(triton.cdiv(vocab, n_tiles))
 
 
+def padded_groups(logits: torch.Tensor, vec: int) -> bool:
+    """Whether a (n, V) logits buffer, V no multiple of ``vec``, has rows padded to whole groups of ``vec``
+    values, 16 bytes each (``gemm.padded_rows``, whose padding holds nothing), which the CE kernel may then
+    read and write (``_write_row_grad_once``'s ``PADDED``)."""
+    n, vocab = logits.shape
+    stride, width, size = logits.stride(0), -(-vocab // vec) * vec, logits.element_size()
+    ends_inside = logits.storage_offset() + (n - 1) * stride + width <= logits.untyped_storage().nbytes() // size
+    return (vocab % vec != 0 and vec * size == 16 and stride % vec == 0 and stride - vocab < vec
+            and logits.data_ptr() % 16 == 0 and ends_inside)
+
+
 def ce_chunk_triton(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -392,9 +414,11 @@ def ce_chunk_triton(
     counts: torch.Tensor | None = None,
     total: torch.Tensor | None = None,
     tile_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
-    config: LaunchConfig = LaunchConfig(),
+    config: LaunchConfig | None = None,
 ) -> None:
-    """Launch the kernel on one chunk. See ``kernels.ce_chunk`` for the contract."""
+    """Launch the kernel on one chunk (``config``: ``LAUNCH`` if None). See ``kernels.ce_chunk`` for the
+    contract."""
+    config = config or LAUNCH
     n, vocab = logits.shape
     if n == 0:
         return
@@ -405,6 +429,7 @@ def ce_chunk_triton(
     block_v = min(triton.next_power_of_2(vocab), config.few_rows_block_v if few_rows else config.block_v)
     warps = config.few_rows_warps if few_rows else config.num_warps
     programs = min(n, config.programs_per_sm * sms)
+    vec = min(8, block_v)  # the one pass's columns per row of its 2-D block: one 16-byte load of 16-bit values
     _ce_kernel[(programs,)](
         logits,
         logits.stride(0),
@@ -435,7 +460,8 @@ def ce_chunk_triton(
         MEAN_BY_COUNT=counts is not None,
         BLOCK_V=block_v,
         BLOCK_T=tile_block(tile_stats[0].shape[1] if tile_stats is not None else 0),
-        VEC=min(8, block_v),  # the one pass's columns per row of its 2-D block: one 16-byte load of 16-bit values
+        VEC=vec,
+        PADDED=tile_stats is not None and padded_groups(logits, vec),
         num_warps=max(4, min(warps, block_v // 512)),
         **shift_args(tile_stats[0] if tile_stats is not None else None, vocab, dummy),
     )
