@@ -1,7 +1,8 @@
 """Probe: the row stride of the padded logits buffers (``gemm.ROW_ALIGN_BYTES``) at vocabularies that are no
 multiple of 8. Per shape and alignment: flce's training step (mean loss, gradients of x and W) and the three
-GEMMs as flce runs them (``gemm.mm_into``: aligned part plus remainder) on a buffer of that row stride; median
-of 12 CUDA-event timings per round, rounds taking turns, ms. GPU only:
+GEMMs as flce runs them on a buffer of that row stride (the logits through ``function.chunk_logits``: the Hopper
+GEMM with tile statistics where it applies; backward's two through ``gemm.mm_into``: aligned part plus
+remainder); median of 12 CUDA-event timings per round, rounds taking turns (every other one in reverse), ms. GPU only:
 
     PYTHONPATH=src:benchmark python benchmark/probes/row_align_probe.py [ROWSxHxV,...] [ALIGN,...] [ROUNDS]
 """
@@ -14,6 +15,8 @@ from breakdown import event_times
 
 import flce
 from flce import gemm
+from flce.function import chunk_logits
+from flce.options import LossOptions
 
 SHAPES = "8192x4096x128256,8192x4096x128257,8192x2048x32000,8192x2048x32001,32768x4096x128257"
 
@@ -26,7 +29,8 @@ def median(fn) -> float:
 def gemms(x, w, dl) -> tuple[float, float, float]:
     out_x = torch.empty_like(x, dtype=torch.float32)
     out_w = torch.empty_like(w, dtype=torch.float32)
-    return (median(lambda: gemm.mm_into(dl, x, w.t(), accumulate=False)),
+    opts = LossOptions()
+    return (median(lambda: chunk_logits(x, w, None, dl, opts, "triton")),
             median(lambda: gemm.mm_into(out_x, dl, w, accumulate=False)),
             median(lambda: gemm.mm_into(out_w, dl.t(), x, accumulate=False)))
 
@@ -39,8 +43,8 @@ def main(shapes: str, aligns: str, rounds: int) -> None:
         w = (torch.randn(vocab, hidden, device="cuda") * hidden**-0.5).bfloat16().requires_grad_()
         t = torch.randint(0, vocab, (rows,), device="cuda")
         results: dict[int, list] = {int(a): [] for a in aligns.split(",")}
-        for _ in range(rounds):
-            for align in results:
+        for i in range(rounds):
+            for align in list(results)[::1 - 2 * (i % 2)]:  # every other round in reverse: drift cancels
                 gemm.ROW_ALIGN_BYTES = align
                 step = median(lambda: torch.autograd.grad(flce.linear_cross_entropy(x, w, t), (x, w)))
                 dl = gemm.padded_rows(rows, vocab, torch.bfloat16, x.device)

@@ -19,8 +19,9 @@ FORCE_FALLBACK = False
 # aligned part and a remainder (``_split_gemm``), on buffers whose rows start 16-byte aligned
 # (``padded_rows``). Tests set SPLIT_ON_CPU to run the split where cuBLAS is not.
 ALIGN_BYTES = 16
-# The row stride of ``padded_rows`` buffers, in bytes (a multiple of ALIGN_BYTES; 128 and 256 read the same as
-# 16 on an H200, benchmark/probes/row_align_probe.py).
+# The row stride of ``padded_rows`` buffers, in bytes (a multiple of ALIGN_BYTES). 128 made one-chunk steps 1.5-2.4%
+# faster on an H200 but the CE kernel's padded form (``ce_triton.padded_groups``) wants under 16 bytes of padding
+# (benchmark/NOTES.md, The CE kernel at odd V).
 ROW_ALIGN_BYTES = 16
 SPLIT_ON_CPU = False
 

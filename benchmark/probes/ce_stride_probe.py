@@ -1,0 +1,67 @@
+"""Probe: the CE kernel's time per step at vocabularies that are no multiple of 16 and at logits rows of 16 or 128
+bytes (``gemm.ROW_ALIGN_BYTES``), beside the aligned vocabulary. Per tree, shape and row alignment: the summed
+CUDA time of ``_ce_kernel`` and of all kernels per training step (torch.profiler, 10 steps), and the step's
+median CUDA-event time over 15 calls; trees take turns per shape. GPU only:
+
+    python benchmark/probes/ce_stride_probe.py TREE_SRC[,TREE_SRC...] [ROWSxHxV,...] [ALIGN,...]
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+SHAPES = "16384x2048x32000,16384x2048x32001,32768x4096x128256,32768x4096x128257,64x4096x128256,64x4096x128257"
+
+
+def measure(shape: str, aligns: str) -> None:
+    import torch
+
+    import flce
+    from flce import gemm
+
+    rows, hidden, vocab = map(int, shape.split("x"))
+    x = torch.randn(rows, hidden, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda") * hidden**-0.5).bfloat16().requires_grad_()
+    t = torch.randint(0, vocab, (rows,), device="cuda")
+
+    def step():
+        return torch.autograd.grad(flce.linear_cross_entropy(x, w, t), (x, w))
+
+    for align in map(int, aligns.split(",")):
+        gemm.ROW_ALIGN_BYTES = align
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(15):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        ce = sum(e.device_time_total for e in events if e.key == "_ce_kernel") / 1e4
+        total = sum(e.device_time_total for e in events) / 1e4
+        print(f"{shape} rows of {align} B: step {sorted(times)[7]:.3f} ms, kernels {total:.3f}, _ce_kernel {ce:.3f}",
+              flush=True)
+
+
+def main(trees: str, shapes: str, aligns: str) -> None:
+    for shape in shapes.split(","):
+        for tree in trees.split(","):
+            out = subprocess.run([sys.executable, __file__, "--measure", shape, aligns], capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONPATH": tree})
+            lines = [line for line in out.stdout.splitlines() if line.startswith(shape)] or out.stderr.splitlines()[-2:]
+            print("\n".join(f"{tree}: {line}" for line in lines), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--measure":
+        measure(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else SHAPES, sys.argv[3] if len(sys.argv) > 3 else "16,128")
