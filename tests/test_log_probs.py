@@ -9,7 +9,7 @@ from reference import (TOL, assert_close, count_172_case, errors_in_roundings, p
 import flce
 from conftest import DEVICE, HOPPER_DTYPE
 from flce import log_probs
-from flce.kernels import token_stats, token_stats_triton
+from flce.kernels import token_stats, token_stats_triton, triton_available
 
 FIELDS = flce.TokenStats._fields
 
@@ -146,6 +146,41 @@ def test_many_vocabulary_blocks(backend, monkeypatch):
     """The kernels' online softmax across blocks of the vocabulary (one block at the default size)."""
     monkeypatch.setattr(token_stats_triton, "BLOCK_V", 32)
     check(backend, vocab=300, bias=True, softcap=3.0, ignore=0.2, scale=6.0)
+
+
+@pytest.mark.parametrize("block_v", [8192, 32])  # 32: many blocks, the last one partial
+def test_kernels_in_padded_rows_leave_the_padding_out(monkeypatch, block_v):
+    """bf16 rows padded to 16 bytes (``gemm.padded_rows``, V = 301 in rows of 304, as the CE kernel's
+    ``ce_triton.padded_groups`` takes them) whose padding holds NaN: every statistic and gradient of the Triton
+    kernels is the torch twin's on the same values."""
+    from flce import gemm
+    from flce.kernels import ce_triton
+
+    if not triton_available(DEVICE):
+        pytest.skip("triton cannot run here")
+    monkeypatch.setattr(token_stats_triton, "BLOCK_V", block_v)
+    n, vocab = 7, 301
+    values = (torch.randn(n, vocab, device=DEVICE) * 3).bfloat16()
+    padded = gemm.padded_rows(n, vocab, torch.bfloat16, DEVICE)
+    padded.as_strided((n, padded.stride(0)), padded.stride()).fill_(float("nan"))
+    padded.copy_(values)
+    assert ce_triton.padded_groups(padded, 8)
+    target = torch.randint(0, vocab, (n,), device=DEVICE)
+    target[2] = -100
+    tf = token_stats.Transform(-100, 1 / 1.3, 4.0)
+    g_lp, g_ent = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)  # per-row grad_outputs
+    outs = {}
+    for backend, buf in (("triton", padded), ("torch", values.clone())):
+        floats = [torch.empty(n, device=DEVICE) for _ in range(5)]
+        out = token_stats.RowStats(*floats, torch.empty(n, dtype=torch.bool, device=DEVICE))
+        token_stats.row_stats(backend, buf, target, out, tf)
+        token_stats.row_grad(backend, buf, target, out.lse, out.entropy, g_lp, g_ent, tf)
+        outs[backend] = (*out, buf)
+    for name, got, want in zip((*token_stats.RowStats._fields, "grad"), outs["triton"], outs["torch"]):
+        if got.dtype == torch.bool:
+            assert torch.equal(got, want), name
+        else:
+            assert torch.allclose(got.float(), want.float(), rtol=2e-2 if name == "grad" else 1e-5, atol=1e-5), name
 
 
 @pytest.mark.parametrize("validate_target", [True, False])

@@ -1,9 +1,10 @@
 """Probe: the CE kernel's time per step at vocabularies that are no multiple of 16 and at logits rows of 16 or 128
 bytes (``gemm.ROW_ALIGN_BYTES``), beside the aligned vocabulary. Per tree, shape and row alignment: the summed
-CUDA time of ``_ce_kernel`` and of all kernels per training step (torch.profiler, 10 steps), and the step's
-median CUDA-event time over 15 calls; trees take turns per shape. GPU only:
+CUDA time of the row kernels (``_ce_kernel``; with ``--log-probs`` the token-statistics kernels of
+``linear_log_probs``' log-probs and entropy) and of all kernels per training step (torch.profiler, 10 steps), and
+the step's median CUDA-event time over 15 calls; trees take turns per shape. GPU only:
 
-    python benchmark/probes/ce_stride_probe.py TREE_SRC[,TREE_SRC...] [ROWSxHxV,...] [ALIGN,...]
+    python benchmark/probes/ce_stride_probe.py TREE_SRC[,TREE_SRC...] [ROWSxHxV,...] [ALIGN,...] [--log-probs]
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 SHAPES = "16384x2048x32000,16384x2048x32001,32768x4096x128256,32768x4096x128257,64x4096x128256,64x4096x128257"
 
 
-def measure(shape: str, aligns: str) -> None:
+def measure(shape: str, aligns: str, log_probs: bool) -> None:
     import torch
 
     import flce
@@ -26,7 +27,12 @@ def measure(shape: str, aligns: str) -> None:
     t = torch.randint(0, vocab, (rows,), device="cuda")
 
     def step():
+        if log_probs:
+            stats = flce.linear_log_probs(x, w, t)
+            return torch.autograd.grad(stats.log_probs.sum() + stats.entropy.sum(), (x, w))
         return torch.autograd.grad(flce.linear_cross_entropy(x, w, t), (x, w))
+
+    names = ("_stats_kernel", "_grad_kernel") if log_probs else ("_ce_kernel",)
 
     for align in map(int, aligns.split(",")):
         gemm.ROW_ALIGN_BYTES = align
@@ -45,23 +51,25 @@ def measure(shape: str, aligns: str) -> None:
                 step()
             torch.cuda.synchronize()
         events = prof.key_averages()
-        ce = sum(e.device_time_total for e in events if e.key == "_ce_kernel") / 1e4
+        rows_ms = sum(e.device_time_total for e in events if e.key in names) / 1e4
         total = sum(e.device_time_total for e in events) / 1e4
-        print(f"{shape} rows of {align} B: step {sorted(times)[7]:.3f} ms, kernels {total:.3f}, _ce_kernel {ce:.3f}",
-              flush=True)
+        print(f"{shape} rows of {align} B: step {sorted(times)[7]:.3f} ms, kernels {total:.3f}, "
+              f"{' + '.join(names)} {rows_ms:.3f}", flush=True)
 
 
-def main(trees: str, shapes: str, aligns: str) -> None:
+def main(trees: str, shapes: str, aligns: str, log_probs: bool) -> None:
     for shape in shapes.split(","):
         for tree in trees.split(","):
-            out = subprocess.run([sys.executable, __file__, "--measure", shape, aligns], capture_output=True, text=True,
-                                 env={**os.environ, "PYTHONPATH": tree})
+            out = subprocess.run([sys.executable, __file__, "--measure", shape, aligns] + ["--log-probs"] * log_probs,
+                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tree})
             lines = [line for line in out.stdout.splitlines() if line.startswith(shape)] or out.stderr.splitlines()[-2:]
             print("\n".join(f"{tree}: {line}" for line in lines), flush=True)
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--measure":
-        measure(sys.argv[2], sys.argv[3])
+    lp = "--log-probs" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--log-probs"]
+    if args[0] == "--measure":
+        measure(args[1], args[2], lp)
     else:
-        main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else SHAPES, sys.argv[3] if len(sys.argv) > 3 else "16,128")
+        main(args[0], args[1] if len(args) > 1 else SHAPES, args[2] if len(args) > 2 else "16,128", lp)
