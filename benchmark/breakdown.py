@@ -35,15 +35,20 @@ def event_times(fn, reps=10, warmup=3) -> list[float]:
     return sorted(times)
 
 
+def head_inputs(rows: int, hidden: int, vocab: int, dtype=torch.bfloat16):
+    """A language-model head's (x, W, targets) on the GPU, x and W requiring grad, logits of unit scale."""
+    x = torch.randn(rows, hidden, device="cuda").to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda") * hidden**-0.5).to(dtype).requires_grad_()
+    return x, w, torch.randint(0, vocab, (rows,), device="cuda")
+
+
 def median_ms(fn, reps=10, warmup=3):
     return statistics.median(event_times(fn, reps, warmup))
 
 
 def stages(bt, hidden, vocab, dtype=torch.bfloat16):
     dev = torch.device("cuda")
-    x = torch.randn(bt, hidden, device=dev, dtype=dtype, requires_grad=True)
-    w = (torch.randn(vocab, hidden, device=dev) * hidden**-0.5).to(dtype).requires_grad_()
-    t = torch.randint(0, vocab, (bt,), device=dev)
+    x, w, t = head_inputs(bt, hidden, vocab, dtype)
     plan = plan_chunks(bt, vocab, dtype, dtype, weight_grad_hidden=hidden)  # the plan flce's step uses
     rows = plan.rows
     out = {"shape": f"{bt}x{hidden}x{vocab}", "chunk_rows": rows, "chunks": plan.num_chunks,

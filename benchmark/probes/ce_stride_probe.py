@@ -12,19 +12,18 @@ import os
 import subprocess
 import sys
 
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmark/: breakdown's helpers
 SHAPES = "16384x2048x32000,16384x2048x32001,32768x4096x128256,32768x4096x128257,64x4096x128256,64x4096x128257"
 
 
 def measure(shape: str, aligns: str, log_probs: bool) -> None:
     import torch
+    from breakdown import event_times, head_inputs
 
     import flce
     from flce import gemm
 
-    rows, hidden, vocab = map(int, shape.split("x"))
-    x = torch.randn(rows, hidden, device="cuda").bfloat16().requires_grad_()
-    w = (torch.randn(vocab, hidden, device="cuda") * hidden**-0.5).bfloat16().requires_grad_()
-    t = torch.randint(0, vocab, (rows,), device="cuda")
+    x, w, t = head_inputs(*map(int, shape.split("x")))
 
     def step():
         if log_probs:
@@ -36,16 +35,7 @@ def measure(shape: str, aligns: str, log_probs: bool) -> None:
 
     for align in map(int, aligns.split(",")):
         gemm.ROW_ALIGN_BYTES = align
-        for _ in range(3):
-            step()
-        times = []
-        for _ in range(15):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+        times = event_times(step, 15, 3)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 step()
@@ -53,15 +43,16 @@ def measure(shape: str, aligns: str, log_probs: bool) -> None:
         events = prof.key_averages()
         rows_ms = sum(e.device_time_total for e in events if e.key in names) / 1e4
         total = sum(e.device_time_total for e in events) / 1e4
-        print(f"{shape} rows of {align} B: step {sorted(times)[7]:.3f} ms, kernels {total:.3f}, "
+        print(f"{shape} rows of {align} B: step {times[7]:.3f} ms, kernels {total:.3f}, "
               f"{' + '.join(names)} {rows_ms:.3f}", flush=True)
 
 
 def main(trees: str, shapes: str, aligns: str, log_probs: bool) -> None:
     for shape in shapes.split(","):
         for tree in trees.split(","):
+            env = {**os.environ, "PYTHONPATH": tree + os.pathsep + BENCH}
             out = subprocess.run([sys.executable, __file__, "--measure", shape, aligns] + ["--log-probs"] * log_probs,
-                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tree})
+                                 capture_output=True, text=True, env=env)
             lines = [line for line in out.stdout.splitlines() if line.startswith(shape)] or out.stderr.splitlines()[-2:]
             print("\n".join(f"{tree}: {line}" for line in lines), flush=True)
 

@@ -12,7 +12,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from breakdown import event_times
+from breakdown import event_times, head_inputs
 
 import flce
 
@@ -29,9 +29,7 @@ def main(shapes: str) -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flce.__file__, flush=True)
     for shape in shapes.split(","):
         rows, hidden, vocab = map(int, shape.split("x"))
-        x = torch.randn(rows, hidden, device="cuda").bfloat16().requires_grad_()
-        w = (torch.randn(vocab, hidden, device="cuda") * hidden**-0.5).bfloat16().requires_grad_()
-        t = torch.randint(0, vocab, (rows,), device="cuda")
+        x, w, t = head_inputs(rows, hidden, vocab)
         step = median(lambda: torch.autograd.grad(flce.linear_cross_entropy(x, w, t), (x, w)))
         eager = median(lambda: torch.autograd.grad(F.cross_entropy(F.linear(x, w).float(), t), (x, w)))
         xd, wd = x.detach(), w.detach()

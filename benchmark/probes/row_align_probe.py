@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from breakdown import event_times
+from breakdown import event_times, head_inputs
 
 import flce
 from flce import gemm
@@ -39,9 +39,7 @@ def main(shapes: str, aligns: str, rounds: int) -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flce.__file__, flush=True)
     for shape in shapes.split(","):
         rows, hidden, vocab = map(int, shape.split("x"))
-        x = torch.randn(rows, hidden, device="cuda").bfloat16().requires_grad_()
-        w = (torch.randn(vocab, hidden, device="cuda") * hidden**-0.5).bfloat16().requires_grad_()
-        t = torch.randint(0, vocab, (rows,), device="cuda")
+        x, w, t = head_inputs(rows, hidden, vocab)
         results: dict[int, list] = {int(a): [] for a in aligns.split(",")}
         for i in range(rounds):
             for align in list(results)[::1 - 2 * (i % 2)]:  # every other round in reverse: drift cancels
