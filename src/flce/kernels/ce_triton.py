@@ -80,20 +80,29 @@ def load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP: tl.const
 
 
 @triton.jit
+def padded_end(V):
+    """V rounded up to whole groups of 8 (16 bytes of 16-bit values), as the compiler can tell: a mask
+    ``cols < padded_end(V)`` is constant over each aligned group, so its accesses stay 16 bytes wide."""
+    return tl.multiple_of((V + 7) // 8 * 8, 8)
+
+
+@triton.jit
 def _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT: tl.constexpr,
                HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ACC: tl.constexpr,
-               BLOCK_V: tl.constexpr):
+               BLOCK_V: tl.constexpr, PADDED: tl.constexpr = False):
     """Pass 1 over a row of V logits: running max m and sum of exp(z - m) (online softmax), the
-    (class-weighted) sum of z for smoothing, and the argmax for accuracy stats."""
+    (class-weighted) sum of z for smoothing, and the argmax for accuracy stats. ``PADDED``: as in
+    ``_write_row_grad_once``, the padding read in whole 16-byte groups (``padded_end``) and left out."""
     m = float("-inf")
     s = 0.0
     sum_z = 0.0
     best = float("-inf")
     best_idx = 0
+    io_end = padded_end(V) if PADDED else V
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < V
-        raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        raw = tl.load(row_ptr + cols, mask=cols < io_end, other=0.0).to(tl.float32)
         z_in = capped(raw, inv_temp, softcap, HAS_SOFTCAP)
         z = tl.where(mask, z_in, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, 0))
@@ -158,18 +167,21 @@ def _grad_block(z, slope, cols, mask, class_weight_ptr, y, lse, extra_coef, targ
 @triton.jit
 def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class, scale,
                     keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                    HAS_EXTRA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Pass 2: the gradient (``_grad_block``) written over the row. Backwards over V: the blocks pass 1
-    read last are likeliest still in L2."""
+                    HAS_EXTRA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+                    PADDED: tl.constexpr = False):
+    """Pass 2: the gradient (``_grad_block``) written over the row (``PADDED``: the padding's included, as in
+    ``_row_stats``). Backwards over V: the blocks pass 1 read last are likeliest still in L2."""
     last = (V - 1) // BLOCK_V * BLOCK_V
+    io_end = padded_end(V) if PADDED else V
     for back in range(0, V, BLOCK_V):
         cols = (last - back) + tl.arange(0, BLOCK_V)
         mask = cols < V
-        raw = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        io_mask = cols < io_end
+        raw = tl.load(row_ptr + cols, mask=io_mask, other=0.0).to(tl.float32)
         z, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
         g = _grad_block(z, slope, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef, smoothing_per_class,
                         scale, keep, HAS_WEIGHT, HAS_SMOOTHING, HAS_EXTRA, HAS_SOFTCAP)
-        tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=mask)
+        tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -299,7 +311,7 @@ def _ce_kernel(
                     HAS_WEIGHT, HAS_SMOOTHING, False, HAS_SOFTCAP, COMPUTE_ACC, TILE_N, False, BLOCK_V, VEC, PADDED)
         else:
             m, s, sum_z, best_idx = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT,
-                                               HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V)
+                                               HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V, PADDED)
             lse = m + tl.log(s)
 
         if COMPUTE_GRAD:
@@ -324,7 +336,7 @@ def _ce_kernel(
             else:
                 _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y,
                                 smoothing / V, scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
-                                HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, BLOCK_V)
+                                HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, BLOCK_V, PADDED)
 
         loss = (1.0 - smoothing) * w_y * (lse - z_y)
         if HAS_SMOOTHING:
@@ -392,8 +404,8 @@ def tile_width(vocab: int, n_tiles: int) -> int:
 
 def padded_groups(logits: torch.Tensor, vec: int) -> bool:
     """Whether a (n, V) logits buffer, V no multiple of ``vec``, has rows padded to whole groups of ``vec``
-    values, 16 bytes each (``gemm.padded_rows``, whose padding holds nothing), which the CE kernel may then
-    read and write (``_write_row_grad_once``'s ``PADDED``)."""
+    values, 16 bytes each (``gemm.padded_rows``, whose padding holds nothing), which the row kernels may then
+    read and write in whole groups (their ``PADDED``)."""
     n, vocab = logits.shape
     stride, width, size = logits.stride(0), -(-vocab // vec) * vec, logits.element_size()
     ends_inside = logits.storage_offset() + (n - 1) * stride + width <= logits.untyped_storage().nbytes() // size
@@ -461,7 +473,7 @@ def ce_chunk_triton(
         BLOCK_V=block_v,
         BLOCK_T=tile_block(tile_stats[0].shape[1] if tile_stats is not None else 0),
         VEC=vec,
-        PADDED=tile_stats is not None and padded_groups(logits, vec),
+        PADDED=padded_groups(logits, vec),
         num_warps=max(4, min(warps, block_v // 512)),
         **shift_args(tile_stats[0] if tile_stats is not None else None, vocab, dummy),
     )

@@ -4,7 +4,9 @@ Forward: one program per row (rows dealt out round-robin), one read of the row i
 vocabulary with an online softmax that also carries what entropy, log(sum p^2), the mean and the argmax
 need. Backward: one read and one write of the recomputed row, which becomes the gradient of the logits.
 Rows the Hopper logits GEMM stored less their tile max (``SHIFTED``) get it added back (``ce_triton.load_z``).
-Float32 arithmetic whatever the storage dtype; runs on CUDA and, under ``TRITON_INTERPRET=1``, the CPU.
+In rows padded to 16 bytes (``PADDED``, ``ce_triton.padded_groups``) both read and write whole groups of VEC
+values, the padding's included, as the CE kernel's one pass does. Float32 arithmetic whatever the storage dtype;
+runs on CUDA and, under ``TRITON_INTERPRET=1``, the CPU.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ce_triton import block_cols, load_z, load_z_at, shift_args
+from .ce_triton import block_cols, load_z, load_z_at, padded_groups, shift_args
 from .token_stats import RowStats, Transform
 
 # Vocabulary columns per step, rows per SM in the grid, warps (the CE kernel's tuned defaults).
@@ -38,10 +40,13 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
                   top1_ptr, tile_max_ptr, n_tiles, n_rows, V, ignore_index, inv_temp, softcap,
                   HAS_SOFTCAP: tl.constexpr, HAS_LOG_PROBS: tl.constexpr, HAS_ENTROPY: tl.constexpr,
                   HAS_SUM_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr, SHIFTED: tl.constexpr,
-                  TILE_N: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+                  TILE_N: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, PADDED: tl.constexpr):
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
-        row_ptr = logits_ptr + row * stride_row
+        if PADDED:  # the row stride is a multiple of VEC: rows start 16-byte aligned, as the compiler now knows
+            row_ptr = logits_ptr + row * (stride_row // VEC) * VEC
+        else:
+            row_ptr = logits_ptr + row * stride_row
         tile_max_row = tile_max_ptr + row * n_tiles
         valid, poison, y = _target(target_ptr, row, V, ignore_index)
         # Online softmax relative to the running max m: s = sum e, a = sum e * (z - m), q = sum e^2
@@ -56,7 +61,8 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
         for start in range(0, V, BLOCK_V):
             lead, cols = block_cols(start, BLOCK_V, VEC)
             mask = cols < V
-            z_in, _slope = load_z(row_ptr, tile_max_row, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP,
+            io_mask = (lead < V)[:, None] if PADDED else mask  # the padding is read, then masked out
+            z_in, _slope = load_z(row_ptr, tile_max_row, lead, cols, io_mask, V, inv_temp, softcap, HAS_SOFTCAP,
                                    SHIFTED, TILE_N)
             z = tl.where(mask, z_in, float("-inf"))
             block_max = tl.max(z)
@@ -97,10 +103,13 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
 def _grad_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, tile_max_ptr, n_tiles,
                  n_rows, V, ignore_index, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr, HAS_LP_GRAD: tl.constexpr,
                  HAS_ENT_GRAD: tl.constexpr, SHIFTED: tl.constexpr, TILE_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                 VEC: tl.constexpr):
+                 VEC: tl.constexpr, PADDED: tl.constexpr):
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
-        row_ptr = logits_ptr + row * stride_row
+        if PADDED:
+            row_ptr = logits_ptr + row * (stride_row // VEC) * VEC
+        else:
+            row_ptr = logits_ptr + row * stride_row
         tile_max_row = tile_max_ptr + row * n_tiles
         valid, poison, y = _target(target_ptr, row, V, ignore_index)
         lse = tl.load(lse_ptr + row)
@@ -115,8 +124,9 @@ def _grad_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_
         for start in range(0, V, BLOCK_V):
             lead, cols = block_cols(start, BLOCK_V, VEC)
             mask = cols < V
-            z, slope = load_z(row_ptr, tile_max_row, lead, cols, mask, V, inv_temp, softcap, HAS_SOFTCAP, SHIFTED,
-                               TILE_N)
+            io_mask = (lead < V)[:, None] if PADDED else mask  # the padding gets values nothing reads
+            z, slope = load_z(row_ptr, tile_max_row, lead, cols, io_mask, V, inv_temp, softcap, HAS_SOFTCAP, SHIFTED,
+                              TILE_N)
             log_p = z - lse
             p = tl.exp(log_p)
             g = tl.zeros((BLOCK_V // VEC, VEC), dtype=tl.float32)
@@ -127,7 +137,7 @@ def _grad_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_
             if HAS_SOFTCAP:
                 g = g * slope
             g = tl.where(valid, g * inv_temp + poison, 0.0)
-            tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+            tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=io_mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,10 +147,14 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
 
 
-def _launch(n: int, vocab: int, device: torch.device) -> tuple[tuple[int], int, int]:
+def _launch(logits: torch.Tensor) -> tuple[tuple[int], dict]:
+    """(grid, the launch's constexprs and warps) for a (n, V) chunk."""
+    n, vocab = logits.shape
     block_v = min(triton.next_power_of_2(vocab), BLOCK_V)
-    programs = min(n, PROGRAMS_PER_SM * _sm_count(device.index))
-    return (programs,), block_v, max(1, min(NUM_WARPS, block_v // 256))
+    vec = min(8, block_v)
+    programs = min(n, PROGRAMS_PER_SM * _sm_count(logits.device.index))
+    return (programs,), dict(BLOCK_V=block_v, VEC=vec, PADDED=padded_groups(logits, vec),
+                             num_warps=max(1, min(NUM_WARPS, block_v // 256)))
 
 
 def row_stats_triton(logits: torch.Tensor, target: torch.Tensor, out: RowStats, tf: Transform,
@@ -150,7 +164,7 @@ def row_stats_triton(logits: torch.Tensor, target: torch.Tensor, out: RowStats, 
     if n == 0:
         return
     assert logits.stride(1) == 1 and vocab >= 1, "rows must be contiguous and non-empty"
-    grid, block_v, warps = _launch(n, vocab, logits.device)
+    grid, launch = _launch(logits)
     top1 = out.is_top1.view(torch.int8) if out.is_top1 is not None else None
     dummy = out.lse
     _stats_kernel[grid](
@@ -159,8 +173,8 @@ def row_stats_triton(logits: torch.Tensor, target: torch.Tensor, out: RowStats, 
         n_rows=n, V=vocab, ignore_index=tf.ignore_index, inv_temp=tf.inv_temp, softcap=float(tf.softcap or 1.0),
         HAS_SOFTCAP=tf.softcap is not None, HAS_LOG_PROBS=out.log_probs is not None,
         HAS_ENTROPY=out.entropy is not None, HAS_SUM_SQ=out.log_sum_sq_probs is not None,
-        HAS_MEAN=out.mean_logits is not None, HAS_TOP1=top1 is not None, BLOCK_V=block_v, VEC=min(8, block_v),
-        num_warps=warps, **shift_args(tile_max, vocab, dummy))
+        HAS_MEAN=out.mean_logits is not None, HAS_TOP1=top1 is not None, **launch,
+        **shift_args(tile_max, vocab, dummy))
 
 
 def row_grad_triton(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
@@ -171,11 +185,10 @@ def row_grad_triton(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tenso
     if n == 0:
         return
     assert logits.stride(1) == 1 and vocab >= 1, "rows must be contiguous and non-empty"
-    grid, block_v, warps = _launch(n, vocab, logits.device)
+    grid, launch = _launch(logits)
     _grad_kernel[grid](
         logits, logits.stride(0), target, lse, *(lse if t is None else t for t in (
             entropy, grad_log_probs, grad_entropy)),
         n_rows=n, V=vocab, ignore_index=tf.ignore_index, inv_temp=tf.inv_temp, softcap=float(tf.softcap or 1.0),
         HAS_SOFTCAP=tf.softcap is not None, HAS_LP_GRAD=grad_log_probs is not None,
-        HAS_ENT_GRAD=grad_entropy is not None, BLOCK_V=block_v, VEC=min(8, block_v), num_warps=warps,
-        **shift_args(tile_max, vocab, lse))
+        HAS_ENT_GRAD=grad_entropy is not None, **launch, **shift_args(tile_max, vocab, lse))
