@@ -54,7 +54,7 @@ def cases() -> dict[str, dict[str, int]]:
         for shifted in (False, True):
             for padded in (False, True):
                 key = f"{label} shifted={shifted} padded={padded}"
-                out[key] = accesses(kernel, dict(flags, SHIFTED=shifted, TILE_N=256 if shifted else 1, PADDED=padded))
+                out[key] = accesses(kernel, dict(flags, SHIFTED=shifted, TILE_N=256 if shifted else 1, GROUPED=padded))
     return out
 
 

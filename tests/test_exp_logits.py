@@ -116,14 +116,14 @@ def test_one_gradient_wanted(path, wanted):
 
 @pytest.mark.parametrize("vocab", [117, 125])
 def test_odd_vocabulary(path, monkeypatch, vocab):
-    """V not a multiple of 8 (a token added to a vocabulary): e is stored in rows padded to 16 bytes
+    """V not a multiple of 8 (a token added to a vocabulary): e is stored in padded rows
     (``gemm.padded_rows``) and backward's GEMMs cut V into a multiple of 8 and the rest (``gemm._split_gemm``,
     on here as on CUDA)."""
     from flce import gemm
 
     monkeypatch.setattr(gemm, "SPLIT_ON_CPU", True)
     run_and_compare(*case(vocab=vocab))
-    assert path.taken == [1] and path.pending[0].e.stride(0) == -(-vocab // 8) * 8 and path.fell_back == []
+    assert path.taken == [1] and path.pending[0].e.stride(0) == gemm.padded_width(vocab, DTYPE.itemsize) and path.fell_back == []
 
 
 def test_rows_of_a_wider_tensor(path):
@@ -262,8 +262,8 @@ def test_low_memory_chunks_match_float64(path, low_memory_plan, monkeypatch, red
 
 
 def test_low_memory_odd_vocabulary(path, low_memory_plan, monkeypatch):
-    """V not a multiple of 8: forward's buffer in grad_weight's storage and backward's block buffer take rows
-    padded to 16 bytes, so forward's chunks stay on the exp-logits GEMM; the GEMMs cut V (on here as on CUDA)."""
+    """V not a multiple of 8: forward's buffer in grad_weight's storage and backward's block buffer take padded
+    rows, so forward's chunks stay on the exp-logits GEMM; the GEMMs cut V (on here as on CUDA)."""
     from flce import gemm
 
     monkeypatch.setattr(gemm, "SPLIT_ON_CPU", True)

@@ -87,12 +87,16 @@ def test_column_sums_into(device, monkeypatch, gemv, n, out_dtype, op_dtype):
     assert rel_err(out, want) < {torch.float64: 1e-12}.get(op_dtype, 1e-5)
 
 
-def test_padded_rows_start_16_byte_aligned(device):
-    for cols, dtype in ((37, torch.bfloat16), (40, torch.bfloat16), (37, torch.float32), (3, torch.float64)):
+@pytest.mark.parametrize("row_align", [16, 128])
+def test_padded_rows_start_aligned(device, monkeypatch, row_align):
+    """Rows start ``ROW_ALIGN_BYTES`` apart, padded by less than that; contiguous where cols fill whole rows."""
+    monkeypatch.setattr(gemm, "ROW_ALIGN_BYTES", row_align)
+    for cols, dtype in ((37, torch.bfloat16), (40, torch.bfloat16), (64, torch.bfloat16), (37, torch.float32),
+                        (3, torch.float64)):
         t = gemm.padded_rows(5, cols, dtype, device)
         assert t.shape == (5, cols) and t.stride(1) == 1 and t.dtype == dtype
-        assert (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-        assert t.stride(0) - cols < 16 // t.element_size() and t.is_contiguous() == (t.stride(0) == cols)
+        assert (t.stride(0) * t.element_size()) % row_align == 0 and t.data_ptr() % 16 == 0
+        assert t.stride(0) - cols < row_align // t.element_size() and t.is_contiguous() == (t.stride(0) == cols)
 
 
 def test_splits_cut_unit_stride_extents_only(monkeypatch):

@@ -414,7 +414,7 @@ def test_through_the_hopper_gemm(hopper_gemm_calls, name, reduction, group_major
 
 @pytest.mark.parametrize("chunk_size", [None, 16])
 def test_odd_vocabulary_through_the_hopper_gemm(hopper_gemm_calls, monkeypatch, chunk_size):
-    """V not a multiple of 8: the heads' logits in rows padded to 16 bytes (the Hopper GEMM stores them there)
+    """V not a multiple of 8: the heads' logits in padded rows (the Hopper GEMM stores them there)
     and the batched GEMMs cut V (``gemm._split_gemm``, on here as on CUDA); deferred single chunk and chunks."""
     from flce import gemm
 

@@ -1,5 +1,6 @@
 """The Triton CE kernel against its torch twin on the per-chunk contract (loss, lse, argmax, gradients)."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flce import gemm
 from flce.kernels import ce_chunk, ce_triton, resolve_backend, triton_available
 from flce.options import LossOptions
 
@@ -16,9 +18,15 @@ pytestmark = pytest.mark.skipif(not triton_available(torch.device("cuda" if torc
                                 reason="triton cannot run here")
 
 
-def run(backend, logits, target, opts, class_weight=None, grad_scale=None, stats=True):
+def run(backend, logits, target, opts, class_weight=None, grad_scale=None, stats=True, padded=False):
+    """(gradient, loss, lse, correct) of ``ce_chunk`` on a copy of logits; ``padded``: the copy in a
+    ``gemm.padded_rows`` buffer whose padding holds NaN."""
     n = logits.shape[0]
     buf = logits.clone()
+    if padded:
+        buf = gemm.padded_rows(*logits.shape, logits.dtype, logits.device)
+        buf.as_strided((n, buf.stride(0)), buf.stride()).fill_(float("nan"))
+        buf.copy_(logits)
     loss, lse = torch.full((n,), float("nan"), device=logits.device), torch.full((n,), float("nan"), device=logits.device)
     correct = torch.full((n,), float("nan"), device=logits.device) if stats else None
     weight_sum = class_weight.sum() if class_weight is not None else None
@@ -43,14 +51,40 @@ def test_triton_matches_torch_twin(device, monkeypatch, dtype, opts, vocab, bloc
     target[1] = opts.ignore_index
     cw = torch.rand(vocab, device=device) + 0.5
     scale = torch.rand(n, device=device) + 0.5  # per-row grad_output (reduction="none" backward)
-    for class_weight in (None, cw):
-        got = run("triton", logits, target, opts, class_weight, scale)
+    # 16-bit logits also in padded rows: at V 37 and 5000 the kernel's whole-group form (``whole_groups``)
+    layouts = (False, True) if dtype == torch.bfloat16 else (False,)
+    for class_weight, padded in itertools.product((None, cw), layouts):
+        got = run("triton", logits, target, opts, class_weight, scale, padded=padded)
         want = run("torch", logits, target, opts, class_weight, scale)
         names = ("grad", "loss", "lse", "correct")
         for name, g, w in zip(names, got, want):
             tol = 2e-2 if (name == "grad" and dtype == torch.bfloat16) else 1e-5
             assert torch.allclose(g.float(), w.float(), rtol=tol, atol=tol * 1e-2 if name == "grad" else 1e-5), name
         assert torch.all(got[0][1] == 0)  # ignored row: exact zeros
+
+
+@pytest.mark.parametrize("row_align", [16, 128])
+def test_whole_groups_only_where_the_groups_end_inside_the_row(monkeypatch, row_align):
+    """The whole-group form is taken where the compiler cannot see 16-byte groups itself and they end at V or
+    in a ``gemm.padded_rows`` buffer's padding; never over another tensor's values, past the allocation, from
+    a misaligned start, or for 32-bit values."""
+    monkeypatch.setattr(gemm, "ROW_ALIGN_BYTES", row_align)
+    n, bf16 = 3, torch.bfloat16
+
+    def grouped(t):
+        return ce_triton.whole_groups(t, 8)
+
+    assert grouped(gemm.padded_rows(n, 5001, bf16, "cpu"))  # padding that holds nothing
+    assert grouped(torch.empty(n, 5000, dtype=bf16))  # V % 16 == 8: the groups end at V
+    assert not grouped(torch.empty(n, 4096, dtype=bf16))  # the compiler sees V and the stride divisible by 16
+    assert not grouped(torch.empty(n, 5001, dtype=bf16))  # no padding: the last group would run into the next row
+    assert not grouped(torch.empty(n, 5096, dtype=bf16)[:, :5001])  # a wider tensor's values, not padding
+    assert not grouped(gemm.padded_rows(n, 5001, torch.float32, "cpu"))  # 8 float32 values are 32 bytes
+    width = gemm.padded_width(5001, 2)
+    short = torch.empty((n - 1) * width + 5003, dtype=bf16).as_strided((n, 5001), (width, 1))
+    assert not grouped(short)  # the last row's group would end past the allocation
+    shifted = torch.empty(n * width + 8, dtype=bf16)[1:].as_strided((n, 5001), (width, 1))
+    assert not grouped(shifted)  # rows start 2 bytes off 16
 
 
 def test_loss_only_leaves_logits_untouched(device):
@@ -360,7 +394,7 @@ def ptx_accesses():
 @pytest.mark.parametrize("shifted", [False, True])
 def test_padded_rows_move_in_16_byte_groups(ptx_accesses, kernel, shifted):
     """At a vocabulary no multiple of 8 the row kernels (CE, token statistics' forward and backward) read and
-    write bf16 logits value by value; in padded rows (``PADDED``) in 16-byte groups, but for the one scalar read
+    write bf16 logits value by value; in padded rows (``GROUPED``) in 16-byte groups, but for the one scalar read
     of the target's logit. What the compiler emits, not a timing: 16-bit accesses cost the CE kernel 30%."""
     plain, padded = (ptx_accesses[f"{kernel} shifted={shifted} padded={p}"] for p in (False, True))
     assert plain.get("ld.global.b16", 0) > 8 and "ld.global.v4.b32" not in plain

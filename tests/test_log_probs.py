@@ -150,8 +150,8 @@ def test_many_vocabulary_blocks(backend, monkeypatch):
 
 @pytest.mark.parametrize("block_v", [8192, 32])  # 32: many blocks, the last one partial
 def test_kernels_in_padded_rows_leave_the_padding_out(monkeypatch, block_v):
-    """bf16 rows padded to 16 bytes (``gemm.padded_rows``, V = 301 in rows of 304, as the CE kernel's
-    ``ce_triton.padded_groups`` takes them) whose padding holds NaN: every statistic and gradient of the Triton
+    """bf16 padded rows (``gemm.padded_rows``, V = 301 in rows of 320, as the CE kernel's
+    ``ce_triton.whole_groups`` takes them) whose padding holds NaN: every statistic and gradient of the Triton
     kernels is the torch twin's on the same values."""
     from flce import gemm
     from flce.kernels import ce_triton
@@ -164,7 +164,7 @@ def test_kernels_in_padded_rows_leave_the_padding_out(monkeypatch, block_v):
     padded = gemm.padded_rows(n, vocab, torch.bfloat16, DEVICE)
     padded.as_strided((n, padded.stride(0)), padded.stride()).fill_(float("nan"))
     padded.copy_(values)
-    assert ce_triton.padded_groups(padded, 8)
+    assert ce_triton.whole_groups(padded, 8)
     target = torch.randint(0, vocab, (n,), device=DEVICE)
     target[2] = -100
     tf = token_stats.Transform(-100, 1 / 1.3, 4.0)

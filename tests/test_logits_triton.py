@@ -114,7 +114,7 @@ def test_gemm_and_tile_stats_match_float64(fused, dtype, opts, with_bias):
 @pytest.mark.parametrize("vocab", [5000, 5001])  # 5001: rows padded to 5008, the padding poisoned with NaN
 def test_ce_one_read_path_matches_two_passes(monkeypatch, opts, grad, block_v, vocab):
     """The CE kernel given tile statistics writes what its two-pass form writes (all outputs). In rows padded to
-    16 bytes (``gemm.padded_rows``) it takes whole 16-byte groups, the padding's included (``padded_groups``),
+    whole lines (``gemm.padded_rows``) it takes whole 16-byte groups, the padding's included (``whole_groups``),
     which changes none of them."""
     if block_v:
         monkeypatch.setattr(ce_triton, "LAUNCH", ce_triton.LaunchConfig(block_v=block_v, few_rows_block_v=block_v))
@@ -137,7 +137,7 @@ def test_ce_one_read_path_matches_two_passes(monkeypatch, opts, grad, block_v, v
                 buf = gemm.padded_rows(n, vocab, values.dtype, values.device)
                 buf.as_strided((n, buf.stride(0)), buf.stride()).fill_(float("nan"))
                 buf.copy_(values)
-                assert ce_triton.padded_groups(buf, 8)
+                assert ce_triton.whole_groups(buf, 8)
             loss, lse, correct = (torch.full((n,), float("nan"), device=DEVICE) for _ in range(3))
             ce_chunk("triton", buf, target, loss, lse, correct, class_weight,
                      class_weight.sum() if class_weight is not None else None,
@@ -151,7 +151,7 @@ def test_ce_one_read_path_matches_two_passes(monkeypatch, opts, grad, block_v, v
             assert torch.allclose(one.float(), two.to(one.dtype).float(), rtol=rtol, atol=1e-6), name
         if not grad:
             assert torch.equal(outs[1][0], inputs[1][0])  # loss only: the stored values untouched
-    assert not ce_triton.padded_groups(torch.empty(n, vocab, dtype=torch.bfloat16, device=DEVICE), 8)
+    assert ce_triton.whole_groups(torch.empty(n, vocab, dtype=torch.bfloat16, device=DEVICE), 8) == (vocab % 8 == 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -169,7 +169,7 @@ def test_linear_cross_entropy_through_fused_gemm(fused, dtype, reduction, chunk_
 @pytest.mark.parametrize("chunk_size", [None, 24])
 @pytest.mark.parametrize("vocab", [601, 37])
 def test_odd_vocabulary_through_fused_gemm(fused, monkeypatch, chunk_size, vocab):
-    """V not a multiple of 8: the GEMM stores into rows padded to 16 bytes (``gemm.padded_rows``), the CE
+    """V not a multiple of 8: the GEMM stores into padded rows (``gemm.padded_rows``), the CE
     kernel follows their stride, and the gradient GEMMs cut V (``gemm._split_gemm``, on here as on CUDA)."""
     from flce import gemm
 
@@ -195,7 +195,7 @@ def test_not_used_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(lt, "ALLOW_INTERPRETER", True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert lt.supported(x, w, None) and lt.supported(x, w, b)
-    assert lt.supported(x, w[:999], None)  # any V: the logits go into rows padded to 16 bytes
+    assert lt.supported(x, w[:999], None)  # any V: the logits go into padded rows
     assert not lt.tma_ready(torch.empty(512, 999).half())
     assert lt.tma_ready(gemm.padded_rows(512, 999, x.dtype, x.device))
     assert not lt.supported(x.float(), w.float(), None)  # 16-bit floats only

@@ -472,8 +472,9 @@ def test_peaked_logits_through_the_hopper_gemms(fused, blocks, softcap):
 
 @needs_triton
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_end_to_end_with_the_hopper_gemms(fused, blocks, reduction):
+def test_end_to_end_with_the_hopper_gemms(fused, blocks, monkeypatch, reduction):
     blocks(128)
+    monkeypatch.setattr(flce.gemm, "ROW_ALIGN_BYTES", 16)  # at H 32 forward's share fits beside rows of 528, not 576
     check("triton", torch.float16, DEVICE, shape=(40,), hidden=32, vocab=520, reduction=reduction,
           chunk_size=16, **dict(OPTION_SETS["all"]))
     # 'none': blocks of 128, 128, 128, 128, 8 columns (16-byte aligned rows); a mean: those after forward's share

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from flce.gemm import padded_width
 from flce.planner import DEFAULT_MEMORY_BUDGET, MIN_ROWS, ROW_ALIGN, plan_chunks
 
 
@@ -29,9 +30,9 @@ def test_budget_sets_rows_for_llama3_head():
 
 @pytest.mark.parametrize("vocab", [128257, 32001, 1023])
 def test_budget_counts_padded_rows(vocab):
-    """At V % 8 != 0 the buffer's rows are padded to 16 bytes (``gemm.padded_rows``): a budget of k padded rows
+    """At V % 8 != 0 the buffer's rows are padded (``gemm.padded_rows``): a budget of k padded rows
     plans at most k rows, where counting V columns a row would plan one chunk of k + 1."""
-    width = -(-vocab // 8) * 8
+    width = padded_width(vocab, 2)
     k = max(MIN_ROWS, vocab // (width - vocab) + 1)  # (k + 1) * vocab <= k * width
     plan = plan_chunks(k + 1, vocab, torch.bfloat16, torch.bfloat16, memory_budget=k * width * 2)
     assert plan.rows <= k and plan.num_chunks == 2

@@ -19,10 +19,10 @@ FORCE_FALLBACK = False
 # aligned part and a remainder (``_split_gemm``), on buffers whose rows start 16-byte aligned
 # (``padded_rows``). Tests set SPLIT_ON_CPU to run the split where cuBLAS is not.
 ALIGN_BYTES = 16
-# The row stride of ``padded_rows`` buffers, in bytes (a multiple of ALIGN_BYTES). 128 made one-chunk steps 1.5-2.4%
-# faster on an H200 but the CE kernel's padded form (``ce_triton.padded_groups``) wants under 16 bytes of padding
-# (benchmark/NOTES.md, The CE kernel at odd V).
-ROW_ALIGN_BYTES = 16
+# The row stride of ``padded_rows`` buffers, in bytes (a multiple of ALIGN_BYTES): rows that start on a 128-byte
+# line took the CE kernel 20% less time than rows 16-byte aligned, and the GEMMs ~1% (H200, benchmark/NOTES.md, The
+# row kernels at odd V). Common vocabularies (32000, 128256, 151936, ...) fill whole lines: no padding there.
+ROW_ALIGN_BYTES = 128
 SPLIT_ON_CPU = False
 
 _OPS = {False: (torch.mm, torch.addmm), True: (torch.bmm, torch.baddbmm)}  # (write, accumulate)
@@ -59,7 +59,7 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: 
 
 
 def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, padded: bool = False) -> torch.Tensor:
-    """a @ b as a new (m, n) tensor of ``dtype``: contiguous, or with ``padded`` rows that start 16-byte
+    """a @ b as a new (m, n) tensor of ``dtype``: contiguous, or with ``padded`` rows that start 128-byte
     aligned (``padded_rows``: a buffer other GEMMs read). Where ``mm_into`` would add nothing to the plain
     GEMM (same dtype, K > 1, aligned extents) torch allocates the output itself: one host call fewer on
     launch-bound steps."""
@@ -74,15 +74,16 @@ def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, padded: bool = 
 
 
 def padded_width(cols: int, itemsize: int) -> int:
-    """cols rounded up to a whole number of ``ROW_ALIGN_BYTES`` (16) of ``itemsize``-byte values: the row stride
+    """cols rounded up to a whole number of ``ROW_ALIGN_BYTES`` (128) of ``itemsize``-byte values: the row stride
     of ``padded_rows``."""
     per = max(ROW_ALIGN_BYTES // itemsize, 1)
     return -(-cols // per) * per
 
 
 def padded_rows(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An empty (rows, cols) tensor whose rows start 16-byte aligned: contiguous when cols allows, else a
-    view of a slightly wider allocation (row stride rounded up), which GEMMs and TMA descriptors take."""
+    """An empty (rows, cols) tensor whose rows start 128-byte aligned (``ROW_ALIGN_BYTES``): contiguous when cols
+    allows, else a view of a slightly wider allocation (row stride rounded up), which GEMMs and TMA descriptors
+    take."""
     width = padded_width(cols, dtype.itemsize)
     if width == cols:
         return torch.empty(rows, cols, dtype=dtype, device=device)

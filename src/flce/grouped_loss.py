@@ -230,7 +230,7 @@ def grouped_chunk_loop(
             parts.total = torch.zeros((), dtype=acc, device=dev)
         return parts, grads
 
-    # Flat buffers so that a shorter last chunk still reads as (G * c, V) rows of one stride, padded to 16 bytes
+    # Flat buffers so that a shorter last chunk still reads as (G * c, V) rows of one stride, padded to whole lines
     # (``gemm.padded_width``: the GEMMs' and the TMA store's alignment at any V).
     width = padded_width(vocab, compute_dtype.itemsize)
     logits_buffer = torch.empty(groups * plan.rows * width, dtype=compute_dtype, device=dev)

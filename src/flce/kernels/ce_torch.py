@@ -61,7 +61,7 @@ def ce_chunk_torch(
 
 def _softmax(z: torch.Tensor, in_place: bool) -> torch.Tensor:
     """softmax(z, 1), over z itself when allowed on the CPU (its kernel reads each element of a row before it
-    writes it; contiguous z only: the out= form gave wrong rows on rows padded to 16 bytes, ``gemm.padded_rows``);
+    writes it; contiguous z only: the out= form gave wrong rows on padded rows, ``gemm.padded_rows``);
     a new tensor elsewhere."""
     if in_place and z.device.type == "cpu" and z.is_contiguous():
         return torch.ops.aten._softmax.out(z, 1, False, out=z)

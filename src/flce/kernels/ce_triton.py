@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..gemm import padded_width
 from ..options import LossOptions
 from .fast_exp_triton import exp_ftz
 from .softcap_triton import capped, capped_slope, tile_shift
@@ -80,25 +81,25 @@ def load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP: tl.const
 
 
 @triton.jit
-def padded_end(V):
+def group_end(V):
     """V rounded up to whole groups of 8 (16 bytes of 16-bit values), as the compiler can tell: a mask
-    ``cols < padded_end(V)`` is constant over each aligned group, so its accesses stay 16 bytes wide."""
+    ``cols < group_end(V)`` is constant over each aligned group, so its accesses stay 16 bytes wide."""
     return tl.multiple_of((V + 7) // 8 * 8, 8)
 
 
 @triton.jit
 def _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT: tl.constexpr,
                HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_ACC: tl.constexpr,
-               BLOCK_V: tl.constexpr, PADDED: tl.constexpr = False):
+               BLOCK_V: tl.constexpr, GROUPED: tl.constexpr = False):
     """Pass 1 over a row of V logits: running max m and sum of exp(z - m) (online softmax), the
-    (class-weighted) sum of z for smoothing, and the argmax for accuracy stats. ``PADDED``: as in
-    ``_write_row_grad_once``, the padding read in whole 16-byte groups (``padded_end``) and left out."""
+    (class-weighted) sum of z for smoothing, and the argmax for accuracy stats. ``GROUPED``: as in
+    ``_write_row_grad_once``, the row read in whole 16-byte groups (``group_end``), any padding left out."""
     m = float("-inf")
     s = 0.0
     sum_z = 0.0
     best = float("-inf")
     best_idx = 0
-    io_end = padded_end(V) if PADDED else V
+    io_end = group_end(V) if GROUPED else V
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < V
@@ -168,11 +169,11 @@ def _grad_block(z, slope, cols, mask, class_weight_ptr, y, lse, extra_coef, targ
 def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class, scale,
                     keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                     HAS_EXTRA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
-                    PADDED: tl.constexpr = False):
-    """Pass 2: the gradient (``_grad_block``) written over the row (``PADDED``: the padding's included, as in
+                    GROUPED: tl.constexpr = False):
+    """Pass 2: the gradient (``_grad_block``) written over the row (``GROUPED``: the padding's included, as in
     ``_row_stats``). Backwards over V: the blocks pass 1 read last are likeliest still in L2."""
     last = (V - 1) // BLOCK_V * BLOCK_V
-    io_end = padded_end(V) if PADDED else V
+    io_end = group_end(V) if GROUPED else V
     for back in range(0, V, BLOCK_V):
         cols = (last - back) + tl.arange(0, BLOCK_V)
         mask = cols < V
@@ -189,20 +190,20 @@ def _write_row_grad_once(row_ptr, tile_max_ptr, class_weight_ptr, V, y, lse, ext
                          smoothing_per_class, scale, keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr,
                          HAS_SMOOTHING: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                          COMPUTE_ACC: tl.constexpr, TILE_N: tl.constexpr,
-                         WRITE: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, PADDED: tl.constexpr = False):
+                         WRITE: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, GROUPED: tl.constexpr = False):
     """The only pass when lse is known beforehand (tile statistics): the gradient written over the row
     (``WRITE``), and the sum of z and argmax that the loss and accuracy need, from the same read. The values
-    are r less its tile's shift (``load_z``: the row's (T,) tile maxima at ``tile_max_ptr``). ``PADDED``: the
-    row (16-byte aligned) is padded to a multiple of VEC values (``gemm.padded_rows``), so the loads and stores
-    take whole groups of VEC, a 16-byte access each, the padding's included (a mask of cols < V would split
-    them where V is no multiple of 16)."""
+    are r less its tile's shift (``load_z``: the row's (T,) tile maxima at ``tile_max_ptr``). ``GROUPED``
+    (``whole_groups``): the row starts 16-byte aligned and ends in a whole group of VEC values (at V or in
+    padding), so the loads and stores take whole groups, a 16-byte access each, the padding's included (a mask
+    of cols < V would split them where V is no multiple of 16); sums and maxima keep the exact mask."""
     sum_z = 0.0
     best = float("-inf")
     best_idx = 0
     for start in range(0, V, BLOCK_V):
         lead, cols = block_cols(start, BLOCK_V, VEC)
         mask = cols < V
-        io_mask = (lead < V)[:, None] if PADDED else mask
+        io_mask = (lead < V)[:, None] if GROUPED else mask
         z_in, slope = load_z(row_ptr, tile_max_ptr, lead, cols, io_mask, V, inv_temp, softcap, HAS_SOFTCAP, True,
                              TILE_N)
         z = tl.where(mask, z_in, float("-inf"))
@@ -272,14 +273,14 @@ def _ce_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr,
     VEC: tl.constexpr,
-    PADDED: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
     n_valid = tl.zeros((), dtype=tl.int64)
     n_bad = tl.zeros((), dtype=tl.int64)
     # Each program takes rows round-robin, so one launch serves any chunk height.
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
-        if PADDED:  # the row stride is a multiple of VEC: rows start 16-byte aligned, as the compiler now knows
+        if GROUPED:  # the row stride is a multiple of VEC: rows start 16-byte aligned, as the compiler now knows
             row_ptr = logits_ptr + row * (stride_row // VEC) * VEC
         else:
             row_ptr = logits_ptr + row * stride_row
@@ -308,10 +309,10 @@ def _ce_kernel(
             if not COMPUTE_GRAD and (HAS_SMOOTHING or COMPUTE_ACC):
                 sum_z, best_idx = _write_row_grad_once(
                     row_ptr, tile_max_row, class_weight_ptr, V, y, lse, 0.0, 0.0, 0.0, 0.0, valid, inv_temp, softcap,
-                    HAS_WEIGHT, HAS_SMOOTHING, False, HAS_SOFTCAP, COMPUTE_ACC, TILE_N, False, BLOCK_V, VEC, PADDED)
+                    HAS_WEIGHT, HAS_SMOOTHING, False, HAS_SOFTCAP, COMPUTE_ACC, TILE_N, False, BLOCK_V, VEC, GROUPED)
         else:
             m, s, sum_z, best_idx = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT,
-                                               HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V, PADDED)
+                                               HAS_SMOOTHING, HAS_SOFTCAP, COMPUTE_ACC, BLOCK_V, GROUPED)
             lse = m + tl.log(s)
 
         if COMPUTE_GRAD:
@@ -332,11 +333,11 @@ def _ce_kernel(
                 sum_z, best_idx = _write_row_grad_once(
                     row_ptr, tile_max_row, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y,
                     smoothing / V, scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
-                    HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, COMPUTE_ACC, TILE_N, True, BLOCK_V, VEC, PADDED)
+                    HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, COMPUTE_ACC, TILE_N, True, BLOCK_V, VEC, GROUPED)
             else:
                 _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y,
                                 smoothing / V, scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
-                                HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, BLOCK_V, PADDED)
+                                HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, BLOCK_V, GROUPED)
 
         loss = (1.0 - smoothing) * w_y * (lse - z_y)
         if HAS_SMOOTHING:
@@ -402,15 +403,22 @@ def tile_width(vocab: int, n_tiles: int) -> int:
     return triton.next_power_of_2(triton.cdiv(vocab, n_tiles))
 
 
-def padded_groups(logits: torch.Tensor, vec: int) -> bool:
-    """Whether a (n, V) logits buffer, V no multiple of ``vec``, has rows padded to whole groups of ``vec``
-    values, 16 bytes each (``gemm.padded_rows``, whose padding holds nothing), which the row kernels may then
-    read and write in whole groups (their ``PADDED``)."""
+def whole_groups(logits: torch.Tensor, vec: int) -> bool:
+    """Whether the row kernels should take a (n, V) 16-bit logits buffer in whole groups of ``vec`` values, a
+    16-byte access each (their ``GROUPED``), where the compiler cannot see that on its own (V or the row stride
+    no multiple of 16). The rows must start 16-byte aligned, and the groups end at V (V a multiple of ``vec``) or
+    in the padding of a ``gemm.padded_rows`` buffer, which holds nothing (the last row's included)."""
     n, vocab = logits.shape
-    stride, width, size = logits.stride(0), -(-vocab // vec) * vec, logits.element_size()
+    stride, size = logits.stride(0), logits.element_size()
+    if vec * size != 16 or stride % vec != 0 or logits.data_ptr() % 16 != 0:
+        return False
+    if vocab % 16 == 0 and stride % 16 == 0:
+        return False  # launch arguments divisible by 16 are specialized: the plain form is grouped already
+    if vocab % vec == 0:
+        return True
+    width = -(-vocab // vec) * vec
     ends_inside = logits.storage_offset() + (n - 1) * stride + width <= logits.untyped_storage().nbytes() // size
-    return (vocab % vec != 0 and vec * size == 16 and stride % vec == 0 and stride - vocab < vec
-            and logits.data_ptr() % 16 == 0 and ends_inside)
+    return stride == padded_width(vocab, size) and ends_inside
 
 
 def ce_chunk_triton(
@@ -473,7 +481,7 @@ def ce_chunk_triton(
         BLOCK_V=block_v,
         BLOCK_T=tile_block(tile_stats[0].shape[1] if tile_stats is not None else 0),
         VEC=vec,
-        PADDED=padded_groups(logits, vec),
+        GROUPED=whole_groups(logits, vec),
         num_warps=max(4, min(warps, block_v // 512)),
         **shift_args(tile_stats[0] if tile_stats is not None else None, vocab, dummy),
     )

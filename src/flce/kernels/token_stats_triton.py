@@ -4,9 +4,9 @@ Forward: one program per row (rows dealt out round-robin), one read of the row i
 vocabulary with an online softmax that also carries what entropy, log(sum p^2), the mean and the argmax
 need. Backward: one read and one write of the recomputed row, which becomes the gradient of the logits.
 Rows the Hopper logits GEMM stored less their tile max (``SHIFTED``) get it added back (``ce_triton.load_z``).
-In rows padded to 16 bytes (``PADDED``, ``ce_triton.padded_groups``) both read and write whole groups of VEC
-values, the padding's included, as the CE kernel's one pass does. Float32 arithmetic whatever the storage dtype;
-runs on CUDA and, under ``TRITON_INTERPRET=1``, the CPU.
+Where V or the row stride is no multiple of 16 (``GROUPED``, ``ce_triton.whole_groups``) both read and write
+whole 16-byte groups of VEC values, a padding's included, as the CE kernel does. Float32 arithmetic whatever the
+storage dtype; runs on CUDA and, under ``TRITON_INTERPRET=1``, the CPU.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ce_triton import block_cols, load_z, load_z_at, padded_groups, shift_args
+from .ce_triton import block_cols, load_z, load_z_at, shift_args, whole_groups
 from .token_stats import RowStats, Transform
 
 # Vocabulary columns per step, rows per SM in the grid, warps (the CE kernel's tuned defaults).
@@ -40,10 +40,10 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
                   top1_ptr, tile_max_ptr, n_tiles, n_rows, V, ignore_index, inv_temp, softcap,
                   HAS_SOFTCAP: tl.constexpr, HAS_LOG_PROBS: tl.constexpr, HAS_ENTROPY: tl.constexpr,
                   HAS_SUM_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr, SHIFTED: tl.constexpr,
-                  TILE_N: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, PADDED: tl.constexpr):
+                  TILE_N: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, GROUPED: tl.constexpr):
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
-        if PADDED:  # the row stride is a multiple of VEC: rows start 16-byte aligned, as the compiler now knows
+        if GROUPED:  # the row stride is a multiple of VEC: rows start 16-byte aligned, as the compiler now knows
             row_ptr = logits_ptr + row * (stride_row // VEC) * VEC
         else:
             row_ptr = logits_ptr + row * stride_row
@@ -61,7 +61,7 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
         for start in range(0, V, BLOCK_V):
             lead, cols = block_cols(start, BLOCK_V, VEC)
             mask = cols < V
-            io_mask = (lead < V)[:, None] if PADDED else mask  # the padding is read, then masked out
+            io_mask = (lead < V)[:, None] if GROUPED else mask  # the padding is read, then masked out
             z_in, _slope = load_z(row_ptr, tile_max_row, lead, cols, io_mask, V, inv_temp, softcap, HAS_SOFTCAP,
                                    SHIFTED, TILE_N)
             z = tl.where(mask, z_in, float("-inf"))
@@ -103,10 +103,10 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
 def _grad_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, tile_max_ptr, n_tiles,
                  n_rows, V, ignore_index, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr, HAS_LP_GRAD: tl.constexpr,
                  HAS_ENT_GRAD: tl.constexpr, SHIFTED: tl.constexpr, TILE_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                 VEC: tl.constexpr, PADDED: tl.constexpr):
+                 VEC: tl.constexpr, GROUPED: tl.constexpr):
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
-        if PADDED:
+        if GROUPED:
             row_ptr = logits_ptr + row * (stride_row // VEC) * VEC
         else:
             row_ptr = logits_ptr + row * stride_row
@@ -124,7 +124,7 @@ def _grad_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_
         for start in range(0, V, BLOCK_V):
             lead, cols = block_cols(start, BLOCK_V, VEC)
             mask = cols < V
-            io_mask = (lead < V)[:, None] if PADDED else mask  # the padding gets values nothing reads
+            io_mask = (lead < V)[:, None] if GROUPED else mask  # the padding gets values nothing reads
             z, slope = load_z(row_ptr, tile_max_row, lead, cols, io_mask, V, inv_temp, softcap, HAS_SOFTCAP, SHIFTED,
                               TILE_N)
             log_p = z - lse
@@ -153,7 +153,7 @@ def _launch(logits: torch.Tensor) -> tuple[tuple[int], dict]:
     block_v = min(triton.next_power_of_2(vocab), BLOCK_V)
     vec = min(8, block_v)
     programs = min(n, PROGRAMS_PER_SM * _sm_count(logits.device.index))
-    return (programs,), dict(BLOCK_V=block_v, VEC=vec, PADDED=padded_groups(logits, vec),
+    return (programs,), dict(BLOCK_V=block_v, VEC=vec, GROUPED=whole_groups(logits, vec),
                              num_warps=max(1, min(NUM_WARPS, block_v // 256)))
 
 
