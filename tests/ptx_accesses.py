@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flce.kernels import ce_triton, token_stats_triton
+from flce.kernels import ce_triton, ce_vocab_parallel_triton, token_stats_triton
 
 INT64_POINTERS = ("target_ptr", "counts_ptr", "total_ptr")
 FLOAT_SCALARS = ("inv_temp", "softcap", "smoothing", "z_loss")
@@ -41,14 +41,18 @@ def accesses(kernel, constexprs: dict) -> dict[str, int]:
 
 
 def cases() -> dict[str, dict[str, int]]:
-    """Each row kernel, padded or not, on plain or tile-shifted logits (the Hopper GEMM's)."""
+    """Each row kernel (the CE kernel, the token statistics', the vocab-parallel stages), in whole groups or not, on
+    plain or tile-shifted logits (the Hopper GEMM's)."""
     ce = dict(HAS_WEIGHT=False, HAS_SMOOTHING=False, HAS_Z_LOSS=False, HAS_SOFTCAP=False, COMPUTE_GRAD=True,
               SCALE_PER_ROW=False, COMPUTE_ACC=False, MEAN_BY_COUNT=False, BLOCK_V=8192, BLOCK_T=16, VEC=8)
     stats = dict(HAS_SOFTCAP=False, HAS_LOG_PROBS=True, HAS_ENTROPY=True, HAS_SUM_SQ=True, HAS_MEAN=True,
                  HAS_TOP1=True, BLOCK_V=8192, VEC=8)
     grad = dict(HAS_SOFTCAP=False, HAS_LP_GRAD=True, HAS_ENT_GRAD=True, BLOCK_V=8192, VEC=8)
+    shard = dict(HAS_WEIGHT=False, HAS_SMOOTHING=True, HAS_SOFTCAP=False, BLOCK_V=4096, VEC=8)  # smoothing: a read
     kernels = {"ce": (ce_triton._ce_kernel, ce), "stats": (token_stats_triton._stats_kernel, stats),
-               "grad": (token_stats_triton._grad_kernel, grad)}
+               "grad": (token_stats_triton._grad_kernel, grad),
+               "shard-stats": (ce_vocab_parallel_triton._shard_stats_kernel, dict(shard, BLOCK_T=16)),
+               "shard-grad": (ce_vocab_parallel_triton._shard_grad_kernel, shard)}
     out = {}
     for label, (kernel, flags) in kernels.items():
         for shifted in (False, True):

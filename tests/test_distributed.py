@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import os
 import queue
 import re
@@ -27,6 +28,7 @@ from reference import TOL, DropGrad, assert_close, errors_in_roundings, peaked_c
 from test_api import OPTION_SETS, make_case
 
 import flce
+from flce import gemm
 from flce.distributed import ShardLayout, vocab_parallel_linear_cross_entropy
 from flce.kernels import triton_available
 from flce.kernels.ce_vocab_parallel import STATS, shard_grad, shard_stats
@@ -686,7 +688,7 @@ def nccl_cluster():
 
 # --- the stage kernels: Triton against the torch twin (once, tiny: the interpreter is slow) ----------
 
-@pytest.mark.parametrize("n,v_local", [pytest.param(5, 37, id="tiny"),
+@pytest.mark.parametrize("n,v_local", [pytest.param(5, 37, id="tiny"), pytest.param(3, 296, id="v%16=8"),
                                         pytest.param(64, 50_000, id="large", marks=pytest.mark.gpu)])
 def test_stage_kernels_triton_matches_torch(device, n, v_local):
     if not triton_available(device):
@@ -697,25 +699,34 @@ def test_stage_kernels_triton_matches_torch(device, n, v_local):
 
 
 def _check_stage_kernels(dev, n, v_local, dtype, opts):
+    """Both stages' Triton kernels against the torch twin; 16-bit logits also in a ``gemm.padded_rows`` buffer whose
+    padding holds NaN (the kernels' whole-group form where V % 16 != 0, ``ce_triton.whole_groups``)."""
     logits = (torch.randn(n, v_local, device=dev) * 3).to(dtype)
     target_local = torch.randint(-1, v_local, (n,), device=dev)  # -1: the target is on another rank
     class_w = torch.rand(v_local, device=dev) + 0.2
-    stats = {b: torch.zeros(STATS, n, device=dev) for b in ("torch", "triton")}
-    for b in stats:
-        shard_stats(b, logits, target_local, class_w, opts, stats[b])
-    for row, what in enumerate(("row max", "sum of exp", "target logit", "sum of logits")):
-        assert_close(stats["triton"][row], stats["torch"][row], 1e-5, what)
+    layouts = ("contiguous", "padded") if dtype.itemsize == 2 else ("contiguous",)
+    copies = {b: logits.clone() for b in ("torch", *layouts)}
+    if "padded" in copies:
+        copies["padded"] = gemm.padded_rows(n, v_local, dtype, dev)
+        copies["padded"].as_strided((n, copies["padded"].stride(0)), (copies["padded"].stride(0), 1)).fill_(
+            float("nan"))
+        copies["padded"].copy_(logits)
+    stats = {b: torch.zeros(STATS, n, device=dev) for b in copies}
+    for b, buf in copies.items():
+        shard_stats("torch" if b == "torch" else "triton", buf, target_local, class_w, opts, stats[b])
+    for b, row in itertools.product(layouts, range(STATS)):
+        assert_close(stats[b][row], stats["torch"][row], 1e-5, f"{b}: stat {row}")
 
     lse = stats["torch"][0] + torch.log(stats["torch"][1]) + 0.3  # as if other ranks added mass
     coef, target_coef = torch.rand(n, device=dev) + 0.5, torch.rand(n, device=dev)
     scale = torch.randn(n, device=dev)
     scale[1] = 0.0  # an ignored row
-    grads = {}
-    for b in ("torch", "triton"):
-        grads[b] = logits.clone()
-        shard_grad(b, grads[b], target_local, class_w, lse, coef, target_coef, scale, 0.1 / 1000, opts)
-    assert_close(grads["triton"].float(), grads["torch"].float(), 1e-5 if dtype == torch.float32 else 1e-2)
-    assert torch.all(grads["triton"][1] == 0)
+    for b, buf in copies.items():
+        shard_grad("torch" if b == "torch" else "triton", buf, target_local, class_w, lse, coef, target_coef, scale,
+                   0.1 / 1000, opts)
+    for b in layouts:
+        assert_close(copies[b].float(), copies["torch"].float(), 1e-5 if dtype == torch.float32 else 1e-2, b)
+        assert torch.all(copies[b][1] == 0)
 
 
 # --- patched models trained under DDP and FSDP2, as accelerate sets them up -------------------------

@@ -81,6 +81,15 @@ def load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP: tl.const
 
 
 @triton.jit
+def row_start(logits_ptr, row, stride_row, VEC: tl.constexpr, GROUPED: tl.constexpr):
+    """The address of a row. ``GROUPED`` (``whole_groups``): the stride is a multiple of VEC, written so that the
+    compiler knows it, and so that every row starts 16-byte aligned."""
+    if GROUPED:
+        stride_row = stride_row // VEC * VEC
+    return logits_ptr + row * stride_row
+
+
+@triton.jit
 def group_end(V):
     """V rounded up to whole groups of 8 (16 bytes of 16-bit values), as the compiler can tell: a mask
     ``cols < group_end(V)`` is constant over each aligned group, so its accesses stay 16 bytes wide."""
@@ -280,10 +289,7 @@ def _ce_kernel(
     # Each program takes rows round-robin, so one launch serves any chunk height.
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
-        if GROUPED:  # the row stride is a multiple of VEC: rows start 16-byte aligned, as the compiler now knows
-            row_ptr = logits_ptr + row * (stride_row // VEC) * VEC
-        else:
-            row_ptr = logits_ptr + row * stride_row
+        row_ptr = row_start(logits_ptr, row, stride_row, VEC, GROUPED)
         y = tl.load(target_ptr + row)
         valid = y != ignore_index
         # An unchecked target outside [0, V) poisons its row (NaN loss and gradient), never a number.

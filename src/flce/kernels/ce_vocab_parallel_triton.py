@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from ..options import LossOptions
-from .ce_triton import (_row_stats, _write_row_grad, _write_row_grad_once, load_z_at, shift_args, tile_block,
-                        tile_stats_max_sum)
+from .ce_triton import (_row_stats, _write_row_grad, _write_row_grad_once, load_z_at, row_start, shift_args,
+                        tile_block, tile_stats_max_sum, whole_groups)
 
 
 @triton.jit
@@ -40,9 +40,10 @@ def _shard_stats_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr,
     VEC: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
+    row_ptr = row_start(logits_ptr, row, stride_row, VEC, GROUPED)
     tile_max_row = tile_max_ptr + row * n_tiles  # (T,) when SHIFTED
     if SHIFTED:  # max and sum from the GEMM's epilogue; a read of the row only for smoothing's sum
         m, s = tile_stats_max_sum(tile_max_row, tile_sum_ptr + row * n_tiles, n_tiles, softcap, HAS_SOFTCAP, BLOCK_T)
@@ -50,10 +51,10 @@ def _shard_stats_kernel(
         if HAS_SMOOTHING:
             sum_z, _ = _write_row_grad_once(row_ptr, tile_max_row, class_weight_ptr, V, 0, 0.0, 0.0, 0.0, 0.0, 0.0,
                                             False, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, False, HAS_SOFTCAP,
-                                            False, TILE_N, False, BLOCK_V, VEC)
+                                            False, TILE_N, False, BLOCK_V, VEC, GROUPED)
     else:
         m, s, sum_z, _ = _row_stats(row_ptr, class_weight_ptr, V, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
-                                    HAS_SOFTCAP, False, BLOCK_V)
+                                    HAS_SOFTCAP, False, BLOCK_V, GROUPED)
 
     y = tl.load(target_ptr + row)
     here = y >= 0
@@ -88,9 +89,10 @@ def _shard_grad_kernel(
     TILE_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     VEC: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
+    row_ptr = row_start(logits_ptr, row, stride_row, VEC, GROUPED)
     y = tl.load(target_ptr + row)
     lse = tl.load(lse_ptr + row)
     extra_coef = tl.load(extra_coef_ptr + row)
@@ -101,10 +103,11 @@ def _shard_grad_kernel(
     if SHIFTED:
         _write_row_grad_once(row_ptr, tile_max_ptr + row * n_tiles, class_weight_ptr, V, y, lse, extra_coef,
                              target_coef, smoothing_per_class, scale, scale != 0.0, inv_temp, softcap, HAS_WEIGHT,
-                             HAS_SMOOTHING, True, HAS_SOFTCAP, False, TILE_N, True, BLOCK_V, VEC)
+                             HAS_SMOOTHING, True, HAS_SOFTCAP, False, TILE_N, True, BLOCK_V, VEC, GROUPED)
     else:
         _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class, scale,
-                        scale != 0.0, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, True, HAS_SOFTCAP, BLOCK_V)
+                        scale != 0.0, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, True, HAS_SOFTCAP, BLOCK_V,
+                        GROUPED)
 
 
 def _launch_shape(vocab: int) -> tuple[int, int]:
@@ -128,6 +131,7 @@ def shard_stats_triton(logits, target_local, class_weight, opts: LossOptions, ou
         BLOCK_V=block_v,
         BLOCK_T=tile_block(0 if tile_stats is None else tile_stats[0].shape[1]),
         VEC=min(8, block_v),
+        GROUPED=whole_groups(logits, min(8, block_v)),
         num_warps=num_warps,
         **shift_args(None if tile_stats is None else tile_stats[0], vocab, out),
     )
@@ -148,6 +152,7 @@ def shard_grad_triton(logits, target_local, class_weight, lse, extra_coef, targe
         HAS_SOFTCAP=opts.softcap is not None,
         BLOCK_V=block_v,
         VEC=min(8, block_v),
+        GROUPED=whole_groups(logits, min(8, block_v)),
         num_warps=num_warps,
         **shift_args(tile_max, vocab, lse),
     )

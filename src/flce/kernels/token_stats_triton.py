@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ce_triton import block_cols, load_z, load_z_at, shift_args, whole_groups
+from .ce_triton import block_cols, load_z, load_z_at, row_start, shift_args, whole_groups
 from .token_stats import RowStats, Transform
 
 # Vocabulary columns per step, rows per SM in the grid, warps (the CE kernel's tuned defaults).
@@ -43,10 +43,7 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
                   TILE_N: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, GROUPED: tl.constexpr):
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
-        if GROUPED:  # the row stride is a multiple of VEC: rows start 16-byte aligned, as the compiler now knows
-            row_ptr = logits_ptr + row * (stride_row // VEC) * VEC
-        else:
-            row_ptr = logits_ptr + row * stride_row
+        row_ptr = row_start(logits_ptr, row, stride_row, VEC, GROUPED)
         tile_max_row = tile_max_ptr + row * n_tiles
         valid, poison, y = _target(target_ptr, row, V, ignore_index)
         # Online softmax relative to the running max m: s = sum e, a = sum e * (z - m), q = sum e^2
@@ -106,10 +103,7 @@ def _grad_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_
                  VEC: tl.constexpr, GROUPED: tl.constexpr):
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
-        if GROUPED:
-            row_ptr = logits_ptr + row * (stride_row // VEC) * VEC
-        else:
-            row_ptr = logits_ptr + row * stride_row
+        row_ptr = row_start(logits_ptr, row, stride_row, VEC, GROUPED)
         tile_max_row = tile_max_ptr + row * n_tiles
         valid, poison, y = _target(target_ptr, row, V, ignore_index)
         lse = tl.load(lse_ptr + row)
