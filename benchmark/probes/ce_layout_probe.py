@@ -20,9 +20,10 @@ from breakdown import event_times, head_inputs
 from flce.kernels import ce_triton, logits_triton
 from flce.options import LossOptions
 
-# (V, row stride, padded form forced on): the defaults of aligned and odd V, then each varied alone.
-CASES = [(128256, 128256, False), (128257, 128264, False), (128256, 128256, True), (128256, 128264, True),
-         (128256, 128320, True), (128257, 128320, True), (128264, 128264, False)]
+# (V, row stride, padded form forced on): the defaults of aligned and odd V (rows on 128-byte lines), then each
+# varied alone: 16-byte rows, the form forced on aligned rows, V % 16 == 8.
+CASES = [(128256, 128256, False), (128257, 128320, False), (128257, 128264, True), (128256, 128264, True),
+         (128256, 128256, True), (128256, 128320, True), (128264, 128264, False)]
 
 
 def chunk(rows: int, hidden: int, vocab: int, stride: int):
