@@ -67,6 +67,17 @@ def peaked_case(n: int, hidden: int, vocab: int, dtype: torch.dtype, device, bia
     return x, w, b, (z.detach() + gumbel).argmax(1)
 
 
+def poisoned_padded_copy(values: torch.Tensor) -> torch.Tensor:
+    """values (n, V) copied into a ``gemm.padded_rows`` buffer (rows as the logits buffers have them) whose padding
+    holds NaN: a kernel that lets it into a result shows it."""
+    from flce import gemm
+
+    n, vocab = values.shape
+    buf = gemm.padded_rows(n, vocab, values.dtype, values.device)
+    buf.as_strided((n, buf.stride(0)), buf.stride()).fill_(float("nan"))
+    return buf.copy_(values)
+
+
 def errors_in_roundings(got, exact, dtype: torch.dtype) -> list[float]:
     """Each gradient's relative error against float64 as a multiple of that of the exact gradient rounded once
     to ``dtype`` (1.0: the best a ``dtype`` result can do)."""

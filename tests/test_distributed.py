@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import ON_HOPPER
-from reference import TOL, DropGrad, assert_close, errors_in_roundings, peaked_case, reference_loss, rel_err
+from reference import (TOL, DropGrad, assert_close, errors_in_roundings, peaked_case, poisoned_padded_copy,
+                       reference_loss, rel_err)
 from test_api import OPTION_SETS, make_case
 
 import flce
-from flce import gemm
 from flce.distributed import ShardLayout, vocab_parallel_linear_cross_entropy
 from flce.kernels import triton_available
 from flce.kernels.ce_vocab_parallel import STATS, shard_grad, shard_stats
@@ -707,10 +707,7 @@ def _check_stage_kernels(dev, n, v_local, dtype, opts):
     layouts = ("contiguous", "padded") if dtype.itemsize == 2 else ("contiguous",)
     copies = {b: logits.clone() for b in ("torch", *layouts)}
     if "padded" in copies:
-        copies["padded"] = gemm.padded_rows(n, v_local, dtype, dev)
-        copies["padded"].as_strided((n, copies["padded"].stride(0)), (copies["padded"].stride(0), 1)).fill_(
-            float("nan"))
-        copies["padded"].copy_(logits)
+        copies["padded"] = poisoned_padded_copy(logits)
     stats = {b: torch.zeros(STATS, n, device=dev) for b in copies}
     for b, buf in copies.items():
         shard_stats("torch" if b == "torch" else "triton", buf, target_local, class_w, opts, stats[b])

@@ -3,7 +3,7 @@ mm_new: the same GEMM into a new tensor."""
 
 import pytest
 import torch
-from reference import rel_err
+from reference import poisoned_padded_copy, rel_err
 
 from flce import gemm
 
@@ -143,9 +143,7 @@ def test_split_gemm_rounds_once(device, monkeypatch, batch, accumulate, layout, 
 def test_padded_rows_of_the_first_operand(device, accumulate):
     """A first operand in rows padded beyond its columns (``padded_rows``, as the logits buffer for backward's
     grad_input GEMM): the padding, poisoned here, takes no part (the CPU's bf16 GEMM of torch 2.13 read it)."""
-    a = gemm.padded_rows(64, 500, torch.bfloat16, device)
-    a.as_strided((64, a.stride(0)), a.stride()).fill_(float("nan"))
-    a.copy_(torch.randn(64, 500, device=device))
+    a = poisoned_padded_copy(torch.randn(64, 500, device=device).bfloat16())
     b = torch.randn(500, 48, device=device).bfloat16()
     out = torch.zeros(64, 48, device=device)
     gemm.mm_into(out, a, b, accumulate=accumulate)

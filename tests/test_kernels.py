@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import poisoned_padded_copy
 
 from flce import gemm
 from flce.kernels import ce_chunk, ce_triton, resolve_backend, triton_available
@@ -24,9 +25,7 @@ def run(backend, logits, target, opts, class_weight=None, grad_scale=None, stats
     n = logits.shape[0]
     buf = logits.clone()
     if padded:
-        buf = gemm.padded_rows(*logits.shape, logits.dtype, logits.device)
-        buf.as_strided((n, buf.stride(0)), buf.stride()).fill_(float("nan"))
-        buf.copy_(logits)
+        buf = poisoned_padded_copy(logits)
     loss, lse = torch.full((n,), float("nan"), device=logits.device), torch.full((n,), float("nan"), device=logits.device)
     correct = torch.full((n,), float("nan"), device=logits.device) if stats else None
     weight_sum = class_weight.sum() if class_weight is not None else None

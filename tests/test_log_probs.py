@@ -3,8 +3,8 @@ log_probs and entropy for random per-token grad_outputs, options, odd shapes, dt
 
 import pytest
 import torch
-from reference import (TOL, assert_close, count_172_case, errors_in_roundings, peaked_case, reference_logits,
-                       rel_err)
+from reference import (TOL, assert_close, count_172_case, errors_in_roundings, peaked_case, poisoned_padded_copy,
+                       reference_logits, rel_err)
 
 import flce
 from conftest import DEVICE, HOPPER_DTYPE
@@ -153,7 +153,6 @@ def test_kernels_in_padded_rows_leave_the_padding_out(monkeypatch, block_v):
     """bf16 padded rows (``gemm.padded_rows``, V = 301 in rows of 320, as the CE kernel's
     ``ce_triton.whole_groups`` takes them) whose padding holds NaN: every statistic and gradient of the Triton
     kernels is the torch twin's on the same values."""
-    from flce import gemm
     from flce.kernels import ce_triton
 
     if not triton_available(DEVICE):
@@ -161,9 +160,7 @@ def test_kernels_in_padded_rows_leave_the_padding_out(monkeypatch, block_v):
     monkeypatch.setattr(token_stats_triton, "BLOCK_V", block_v)
     n, vocab = 7, 301
     values = (torch.randn(n, vocab, device=DEVICE) * 3).bfloat16()
-    padded = gemm.padded_rows(n, vocab, torch.bfloat16, DEVICE)
-    padded.as_strided((n, padded.stride(0)), padded.stride()).fill_(float("nan"))
-    padded.copy_(values)
+    padded = poisoned_padded_copy(values)
     assert ce_triton.whole_groups(padded, 8)
     target = torch.randint(0, vocab, (n,), device=DEVICE)
     target[2] = -100
