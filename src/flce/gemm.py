@@ -61,8 +61,8 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: 
 def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, padded: bool = False) -> torch.Tensor:
     """a @ b as a new (m, n) tensor of ``dtype``: contiguous, or with ``padded`` rows that start 128-byte
     aligned (``padded_rows``: a buffer other GEMMs read). Where ``mm_into`` would add nothing to the plain
-    GEMM (same dtype, K > 1, aligned extents) torch allocates the output itself: one host call fewer on
-    launch-bound steps."""
+    GEMM (same dtype, K > 1, aligned extents) torch allocates the output itself, contiguous: one host call fewer
+    on launch-bound steps."""
     if dtype == a.dtype and a.shape[1] != 1 and not any(_splits(a, b, unit_n=True)):
         return torch.mm(a, b)
     if padded:

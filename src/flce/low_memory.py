@@ -144,7 +144,7 @@ def weight_grad_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     for start, end, scratch in plan.blocks(vocab, borrow=grad_w is not None, start=first):
         cols = end - start
         if scratch is None:
-            width = padded_width(cols, compute_dtype.itemsize)  # rows 16-byte aligned (the last block may be odd)
+            width = padded_width(cols, compute_dtype.itemsize)  # padded rows (the last block may be odd)
             if buffer is None:  # allocated only for the blocks the borrowed room could not take
                 buffer = torch.empty(n * width, dtype=compute_dtype, device=x.device)
             dz = buffer[: n * width].view(n, width)[:, :cols]
@@ -308,7 +308,7 @@ def _forward_memory(spec: LoopSpec, weight: torch.Tensor, bias_grad: bool) -> tu
     grad_w = torch.empty(vocab, hidden, dtype=weight.dtype, device=weight.device)
     storage = grad_w.view(-1).view(torch.uint8)
     cast = _borrow(storage, 0, (vocab, hidden), spec.compute_dtype) if weight.dtype != spec.compute_dtype else None
-    width = padded_width(vocab, spec.compute_dtype.itemsize)  # rows 16-byte aligned for the GEMM's stores
+    width = padded_width(vocab, spec.compute_dtype.itemsize)  # padded rows for the GEMM's stores
     buffer = _borrow(storage, plan.forward_buffer, (plan.rows, width), spec.compute_dtype)[:, :vocab]
     weight_sum = _borrow(storage, plan.forward_offset, (plan.forward_cols, hidden), math_dtype(spec.compute_dtype))
     bias_sum = torch.zeros(plan.forward_cols, dtype=weight_sum.dtype, device=weight.device) if bias_grad else None

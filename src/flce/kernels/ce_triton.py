@@ -416,10 +416,10 @@ def whole_groups(logits: torch.Tensor, vec: int) -> bool:
     in the padding of a ``gemm.padded_rows`` buffer, which holds nothing (the last row's included)."""
     n, vocab = logits.shape
     stride, size = logits.stride(0), logits.element_size()
-    if vec * size != 16 or stride % vec != 0 or logits.data_ptr() % 16 != 0:
-        return False
     if vocab % 16 == 0 and stride % 16 == 0:
         return False  # launch arguments divisible by 16 are specialized: the plain form is grouped already
+    if vec * size != 16 or stride % vec != 0 or logits.data_ptr() % 16 != 0:
+        return False
     if vocab % vec == 0:
         return True
     width = -(-vocab // vec) * vec
