@@ -51,6 +51,16 @@ def test_mm_new_matches_float64(device, k, out_dtype, op_dtype):
     assert rel_err(out, a.double().t() @ b.double()) < tol
 
 
+@pytest.mark.parametrize("n", [64, 40, 21])
+def test_mm_new_padded_rows(device, n):
+    """``padded``: the rows start 128 bytes apart (``padded_rows``) whatever n, a view of a wider allocation
+    where n bf16 values are no whole line (40: 16-byte rows otherwise, which the row kernels read 20% slower)."""
+    a, b = torch.randn(33, 48, device=device).bfloat16(), torch.randn(48, n, device=device).bfloat16()
+    out = gemm.mm_new(a, b, torch.bfloat16, padded=True)
+    assert out.shape == (33, n) and out.stride(0) == gemm.padded_width(n, 2) and out.data_ptr() % 16 == 0
+    assert rel_err(out, a.double() @ b.double()) < 1e-2
+
+
 def test_fallback_is_used_where_out_dtype_is_missing():
     """CPU torch has no mm(out_dtype=...): the probe says so and the upcast path still accumulates in fp32."""
     cpu = torch.device("cpu")

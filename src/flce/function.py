@@ -359,7 +359,7 @@ def chunk_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
             logits_triton.logits_with_tile_stats(x_c, w, bias, logits, stats[0], tile_sum, opts)
             return logits, (stats[0], tile_sum)
     if out is None:
-        logits = mm_new(x_c, w.t(), x_c.dtype, padded=True)
+        logits = mm_new(x_c, w.t(), x_c.dtype, padded=backend == "triton")  # the row kernels' layout
     else:
         logits = out
         mm_into(out, x_c, w.t(), accumulate=False)
