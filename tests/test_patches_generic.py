@@ -35,6 +35,34 @@ def test_softcap_comes_from_config(family):
     assert abs(uncapped.item() - want.loss.item()) > 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_that_scales_its_columns(backend, device, dtype):
+    """Dory's head multiplies its float32 logits column by column by a learned vector: fused as a linear map of
+    the scaled weight, whose gradient reaches the weight and the vector (checked among every gradient)."""
+    model = tiny_model("dory", dtype=dtype, head_scale=HEAD_SCALE).to(device)
+    with torch.no_grad():
+        model.lm_head.logit_scale.uniform_(0.25, 2.0).mul_(model.config.initializer_range)
+    inputs = {k: v.to(device) for k, v in tiny_batch(batch=2, seq=6).items()}
+    tols = dict(loss_tol=2e-5, grad_tol=2e-4) if dtype == torch.float32 else dict(loss_tol=1e-2, grad_tol=6e-2)
+    want, _ = assert_patched_matches(model, inputs, backend=backend, **tols)
+    with torch.no_grad():
+        model.lm_head.logit_scale.mul_(3.0)  # the scale must have mattered for this test to mean anything
+    assert abs(model(**inputs).loss.item() - want.loss.item()) > 1e-2
+
+
+def test_scaled_rows_gradients_in_pieces(monkeypatch):
+    """The scaled weight of such a head, made piece by piece: gradcheck in float64, pieces of 2 of 5 rows."""
+    from flce.patches.head import ScaleRows
+
+    monkeypatch.setattr(ScaleRows, "PIECE_ELEMENTS", 6)
+    weight = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    scale = torch.rand(5, dtype=torch.float64).add(0.5).requires_grad_()
+    assert len(ScaleRows.pieces(weight)) == 3
+    torch.autograd.gradcheck(ScaleRows.apply, (weight, scale))
+    bf16 = torch.randn(5, 3).bfloat16()
+    assert torch.equal(ScaleRows.apply(bf16, scale.float()), (bf16.float() * scale.float()[:, None]).bfloat16())
+
+
 def test_softcap_option_on_a_model_that_caps_its_logits_is_refused():
     model = tiny_model("gemma2")
     with patched(model, softcap=10.0), pytest.raises(ValueError, match="already caps at 2 .*leave the option out"):

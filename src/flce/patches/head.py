@@ -6,7 +6,8 @@ ZeRO-3 gather, accelerate offload), the weight read is the gathered one, and the
 into the loss. What the head computes must be a linear map of its input that can be read off the module:
 ``x @ W.T + b`` for ``nn.Linear``; for a PEFT LoRA head (dropout and DoRA included) the same map written on
 an augmented input, ``[x | s * dropout(x) @ A.T | ...] @ [W | B | ...].T + b``, whose autograd graph reaches
-W, A, B and DoRA's magnitude.
+W, A, B and DoRA's magnitude; for a Linear whose float32 output a learned (V,) vector scales column by column
+(``SCALED_COLUMN_HEADS``) ``x @ (s[:, None] * W).T``, whose graph reaches W and s.
 """
 
 from __future__ import annotations
@@ -23,6 +24,19 @@ from .transform import LogitTransform, Unfusable
 # Wrappers whose forward ends in a call of the wrapped module (FSDP1, activation checkpointing): the swap
 # goes on the wrapped module so the wrapper's own unshard/recompute logic still runs.
 _WRAPPED_ATTRS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+@dataclass(frozen=True)
+class ScaledColumns:
+    """A head that is an ``nn.Linear`` subclass returning ``float(x @ W.T + b) * (scale * factor)``: ``scale`` names
+    its learned (V,) parameter, ``factor`` its constant (a float attribute)."""
+
+    scale: str
+    factor: str
+
+
+# Heads whose forward is not nn.Linear's but still a linear map flce can read, by class name: what differs.
+SCALED_COLUMN_HEADS = {"DoryLMHead": ScaledColumns("logit_scale", "logit_scale_factor")}
 
 
 @dataclass
@@ -47,7 +61,7 @@ def innermost(head: nn.Module) -> nn.Module:
 def unreadable_reason(head: nn.Module) -> str | None:
     """Why the linear map of ``head`` cannot be read off the module (None: it can)."""
     module = innermost(head)
-    if _is_plain_linear(module):
+    if _is_plain_linear(module) or scaled_columns(module) is not None:
         return None
     lora = _peft_lora()
     if lora is None or not isinstance(module, lora.Linear):
@@ -69,7 +83,61 @@ def linear_parts(module: nn.Module, x: torch.Tensor) -> LinearParts:
         raise Unfusable(reason)
     if _is_plain_linear(module):
         return LinearParts(x, module.weight, module.bias)
+    scaled = scaled_columns(module)
+    if scaled is not None:
+        return _scaled_column_parts(module, scaled, x)
     return _lora_parts(module, x)
+
+
+def scaled_columns(module: nn.Module) -> ScaledColumns | None:
+    """The column scale of a ``SCALED_COLUMN_HEADS`` head (None for any other module)."""
+    scaled = SCALED_COLUMN_HEADS.get(type(module).__name__)
+    if scaled is None or not isinstance(module, nn.Linear):
+        return None
+    scale = getattr(module, scaled.scale, None)
+    if not isinstance(scale, torch.Tensor) or scale.shape != (module.out_features,):
+        return None
+    return scaled
+
+
+def _scaled_column_parts(module: nn.Linear, scaled: ScaledColumns, x: torch.Tensor) -> LinearParts:
+    """s[:, None] * W (and s * b), s = scale * factor, multiplied in float32 and rounded once to the weight's dtype:
+    each logit then carries its weights' roundings where the head's own forward rounds the logit before scaling."""
+    s = getattr(module, scaled.scale).float() * float(getattr(module, scaled.factor))
+    bias = None if module.bias is None else (module.bias * s).to(module.bias.dtype)
+    return LinearParts(x, ScaleRows.apply(module.weight, s), bias)
+
+
+class ScaleRows(torch.autograd.Function):
+    """(V, H) weight times a float32 (V,) scale per row, in the weight's dtype: each product in float32, rounded
+    once. Pieces of rows keep the float32 values at ``PIECE_ELEMENTS`` (no float32 copy of a 131072 x 2560 head)."""
+
+    PIECE_ELEMENTS = 1 << 24
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight, scale)
+        out = torch.empty_like(weight)
+        for rows in ScaleRows.pieces(weight):
+            torch.mul(weight[rows], scale[rows, None], out=out[rows])  # float32 math, rounded into out
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        weight, scale = ctx.saved_tensors
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[0] else None
+        grad_scale = torch.empty_like(scale) if ctx.needs_input_grad[1] else None
+        for rows in ScaleRows.pieces(weight):
+            if grad_weight is not None:
+                torch.mul(grad[rows], scale[rows, None], out=grad_weight[rows])
+            if grad_scale is not None:  # the rows' dot products of grad with the weight, in float32
+                torch.sum(grad[rows].float() * weight[rows], dim=1, out=grad_scale[rows])
+        return grad_weight, grad_scale
+
+    @staticmethod
+    def pieces(weight: torch.Tensor) -> list[slice]:
+        step = max(ScaleRows.PIECE_ELEMENTS // max(weight.shape[1], 1), 1)
+        return [slice(i, i + step) for i in range(0, weight.shape[0], step)]
 
 
 def head_loss(head: nn.Module, rows: torch.Tensor, target: torch.Tensor, transform: LogitTransform,
