@@ -63,6 +63,16 @@ def test_scaled_rows_gradients_in_pieces(monkeypatch):
     assert torch.equal(ScaleRows.apply(bf16, scale.float()), (bf16.float() * scale.float()[:, None]).bfloat16())
 
 
+def test_head_that_scales_its_columns_refuses_a_dtensor_weight(monkeypatch):
+    """A sharded weight cannot be scaled row by row in place: a clear refusal instead of a DTensor error."""
+    from flce.patches import head
+
+    model = tiny_model("dory")
+    monkeypatch.setattr(head, "is_dtensor", lambda t: t is model.lm_head.weight)
+    with patched(model), pytest.raises(ValueError, match="scales its columns by a learned vector.*not a DTensor"):
+        model(**tiny_batch())
+
+
 def test_softcap_option_on_a_model_that_caps_its_logits_is_refused():
     model = tiny_model("gemma2")
     with patched(model, softcap=10.0), pytest.raises(ValueError, match="already caps at 2 .*leave the option out"):

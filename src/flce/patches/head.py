@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..api import linear_cross_entropy
+from ..distributed import is_dtensor
 from .transform import LogitTransform, Unfusable
 
 # Wrappers whose forward ends in a call of the wrapped module (FSDP1, activation checkpointing): the swap
@@ -103,14 +104,17 @@ def scaled_columns(module: nn.Module) -> ScaledColumns | None:
 def _scaled_column_parts(module: nn.Linear, scaled: ScaledColumns, x: torch.Tensor) -> LinearParts:
     """s[:, None] * W (and s * b), s = scale * factor, multiplied in float32 and rounded once to the weight's dtype:
     each logit then carries its weights' roundings where the head's own forward rounds the logit before scaling."""
+    if is_dtensor(module.weight):
+        raise Unfusable(f"its output embedding ({type(module).__name__}) scales its columns by a learned vector, "
+                        "which flce folds into a plain weight only, not a DTensor")
     s = getattr(module, scaled.scale).float() * float(getattr(module, scaled.factor))
     bias = None if module.bias is None else (module.bias * s).to(module.bias.dtype)
     return LinearParts(x, ScaleRows.apply(module.weight, s), bias)
 
 
 class ScaleRows(torch.autograd.Function):
-    """(V, H) weight times a float32 (V,) scale per row, in the weight's dtype: each product in float32, rounded
-    once. Pieces of rows keep the float32 values at ``PIECE_ELEMENTS`` (no float32 copy of a 131072 x 2560 head)."""
+    """(V, H) weight times a (V,) scale per row (float32, or float64), in the weight's dtype: each product in the
+    scale's dtype, rounded once. Pieces of rows keep the float32 values at ``PIECE_ELEMENTS`` (no float32 copy of a 131072 x 2560 head)."""
 
     PIECE_ELEMENTS = 1 << 24
 
@@ -130,8 +134,8 @@ class ScaleRows(torch.autograd.Function):
         for rows in ScaleRows.pieces(weight):
             if grad_weight is not None:
                 torch.mul(grad[rows], scale[rows, None], out=grad_weight[rows])
-            if grad_scale is not None:  # the rows' dot products of grad with the weight, in float32
-                torch.sum(grad[rows].float() * weight[rows], dim=1, out=grad_scale[rows])
+            if grad_scale is not None:  # the rows' dot products of grad with the weight, in the scale's dtype
+                torch.sum(grad[rows].to(scale.dtype) * weight[rows], dim=1, out=grad_scale[rows])
         return grad_weight, grad_scale
 
     @staticmethod

@@ -337,8 +337,11 @@ def fused_cross_entropy(input, target, weight=None, size_average=None, ignore_in
     if input._rows is not None:
         rows = input._rows.reshape(-1).to(hidden.device)
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-    loss = head_loss(call.head, hidden, target.reshape(hidden.shape[:-1]).to(hidden.device), transform,
-                     dict(options, ignore_index=ignore_index, reduction=reduction))
+    try:
+        loss = head_loss(call.head, hidden, target.reshape(hidden.shape[:-1]).to(hidden.device), transform,
+                         dict(options, ignore_index=ignore_index, reduction=reduction))
+    except Unfusable as e:  # what the head's call found (its weight as gathered by its hooks)
+        raise ValueError(f"flce cannot fuse {call.owner}: {e}; {ADVICE}") from None
     call.losses += 1
     return loss.reshape(target.shape).to(input.device) if reduction == "none" else loss.to(input.device)
 
