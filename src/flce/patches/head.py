@@ -114,7 +114,8 @@ def _scaled_column_parts(module: nn.Linear, scaled: ScaledColumns, x: torch.Tens
 
 class ScaleRows(torch.autograd.Function):
     """(V, H) weight times a (V,) scale per row (float32, or float64), in the weight's dtype: each product in the
-    scale's dtype, rounded once. Pieces of rows keep the float32 values at ``PIECE_ELEMENTS`` (no float32 copy of a 131072 x 2560 head)."""
+    scale's dtype, rounded once. Pieces of rows keep the wide values at ``PIECE_ELEMENTS`` (no float32 copy of a
+    131072 x 2560 head)."""
 
     PIECE_ELEMENTS = 1 << 24
 
