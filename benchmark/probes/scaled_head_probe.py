@@ -14,6 +14,7 @@ GPU only:
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 
@@ -22,6 +23,9 @@ import torch.nn.functional as F
 import transformers
 
 import flce
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmark/: breakdown's helpers
+from breakdown import event_times  # noqa: E402
 
 HIDDEN, VOCAB = 2560, 131072
 
@@ -44,16 +48,7 @@ def step_figures(model: torch.nn.Module, batch: int, seq: int) -> tuple[float, f
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
 
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    times = event_times(step, 10, 3)
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
