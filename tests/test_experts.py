@@ -226,7 +226,7 @@ def test_other_expert_layouts_fall_back():
     x, ids, weights, gate_up, down = make_case(9, 32, 24, 4, 2, torch.float32, "cpu")
     eager = eager_experts(gate_up, down)
     eager.act_fn = torch.nn.GELU()
-    assert not fx._fused_layout(eager, x)
+    assert not fx.computes_experts(eager)
     want = eager(x, ids, weights)
     got = fx.flce_experts_forward(eager, x, ids, weights)
     assert_close(got, want, 1e-5, "fallback")

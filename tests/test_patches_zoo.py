@@ -10,7 +10,11 @@ import pytest
 import torch
 import transformers
 from conftest import BACKENDS, DEVICE
-from hf_zoo import MODELS_FILE, README_FILE, ZOO, installed, readme_with_models, recorded_verdicts, render_models, zoo_verdict
+from hf_zoo import (MODELS_FILE, README_FILE, ZOO, build, installed, readme_with_models, recorded_verdicts,
+                    render_models, train_step, zoo_batch, zoo_verdict)
+
+import flce
+import flce.experts
 
 RECORDED = recorded_verdicts()
 RECORDED_ON = RECORDED.get("_transformers")
@@ -70,3 +74,25 @@ def test_zoo_sample_with_the_triton_backend(model_type):
     # on CUDA fp32 on both sides, but flce's GEMMs and cuBLAS's round differently (no TF32 on either)
     tol = (2e-6, 2e-5) if DEVICE.type == "cpu" else (1e-4, 1e-3)
     assert zoo_verdict(model_type, backend="triton", device=DEVICE.type, tol=tol).kind == "fused"
+
+
+MOE_ON_FLCE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm4_moe", "granitemoe"]
+MOE_KEPT = ["gpt_oss", "dbrx", "llama4_text", "jetmoe"]  # biases and a clamped gate, other layouts
+
+
+@pytest.mark.parametrize("model_type", installed(MOE_ON_FLCE + MOE_KEPT))
+def test_moe_entries_take_flce_experts_where_it_computes_every_one(model_type, monkeypatch):
+    """The patch selects the "flce" experts backend on a MoE model whose experts flce computes, every one of
+    them, and then they run there (the zoo's verdicts compare those steps with the model's own experts); other
+    layouts keep their implementation. Removing the patch puts it back."""
+    calls = []
+    fused = flce.experts.experts_forward
+    monkeypatch.setattr(flce.experts, "experts_forward", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    model = build(model_type)
+    previous = model.config._experts_implementation
+    flce.apply_flce_patch(model)
+    train_step(model, zoo_batch(model, model_type))
+    on = model_type in MOE_ON_FLCE
+    assert (model.config._experts_implementation == "flce") == on and bool(calls) == on
+    flce.remove_flce_patch(model)
+    assert model.config._experts_implementation == previous

@@ -176,8 +176,10 @@ def _shapes(*tensors: torch.Tensor) -> str:
 
 # ------------------------------------------------------------------------------ transformers backend
 
-def _fused_layout(experts: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
-    """True for Mixtral-style experts: concatenated gate/up, not transposed, no bias, SiLU gate."""
+def computes_experts(experts: torch.nn.Module) -> bool:
+    """Whether :func:`flce_experts_forward` computes this experts module itself (else it hands it to transformers'
+    grouped_mm): Mixtral-style experts, concatenated gate/up (E, 2I, H), down (E, H, I), not transposed, no bias,
+    a SiLU gate and transformers' own gate application."""
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
         return False
@@ -193,7 +195,7 @@ def _fused_layout(experts: torch.nn.Module, hidden_states: torch.Tensor) -> bool
         return False
     if type(getattr(experts, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
         return False
-    return (gate_up.dim() == 3 and down.dim() == 3 and gate_up.shape[2] == hidden_states.shape[-1]
+    return (gate_up.dim() == 3 and down.dim() == 3
             and tuple(down.shape) == (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2))
 
 
@@ -208,7 +210,7 @@ def flce_experts_forward(
     Experts of another layout (bias, transposed weights, another activation) run transformers'
     ``grouped_mm`` backend (or the module's eager forward where that is missing).
     """
-    if _fused_layout(self, hidden_states):
+    if computes_experts(self) and self.gate_up_proj.shape[2] == hidden_states.shape[-1]:
         return experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 

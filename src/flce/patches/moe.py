@@ -1,8 +1,9 @@
 """Selecting flce's experts backend ("flce", registered by flce.experts) on a patched MoE model.
 
-Only models whose experts it computes are switched: the classes in ``EXPERTS_BACKEND_CLASSES`` (and
-subclasses). The previous implementation is remembered on the instance and put back by
-``restore_experts``.
+Only models whose experts it computes, every one of them, are switched (``has_experts_backend``: Mixtral,
+Qwen2/3-MoE, DeepSeek-V2/V3, OLMoE, GLM-4 MoE and most MoE families of transformers 5); a model with any other
+experts layout keeps its implementation. The previous implementation is remembered on the instance and put
+back by ``restore_experts``.
 """
 
 from __future__ import annotations
@@ -13,20 +14,18 @@ from typing import Iterator
 
 from torch import nn
 
-from ..experts import BACKEND_NAME
+from ..experts import BACKEND_NAME, computes_experts
 from .settings import PatchSettings
-
-# transformers classes whose experts flce.experts computes (gate_up_proj (E, 2I, H), SiLU-gated).
-EXPERTS_BACKEND_CLASSES = frozenset({"MixtralForCausalLM"})
 
 _PREVIOUS = "_flce_patch_previous_experts"
 _MISSING = object()
 _SWITCHED: weakref.WeakSet = weakref.WeakSet()  # models switched here, for removing a class patch
+_COMPUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> has_experts_backend, found once
 
 
 def select_experts(model: nn.Module, settings: PatchSettings) -> None:
     """Switch ``model`` to the "flce" experts backend if it computes its experts and the settings want it."""
-    if not (settings.use_flce_experts and has_experts_backend(type(model))):
+    if not (settings.use_flce_experts and has_experts_backend(model)):
         restore_experts(model)
         return
     if _PREVIOUS in model.__dict__:
@@ -41,9 +40,16 @@ def select_experts(model: nn.Module, settings: PatchSettings) -> None:
     _SWITCHED.add(model)
 
 
-def has_experts_backend(cls: type) -> bool:
-    return any(base.__name__ in EXPERTS_BACKEND_CLASSES and base.__module__.startswith("transformers.models.")
-               for base in cls.__mro__)
+def has_experts_backend(model: nn.Module) -> bool:
+    """Whether ``model`` (a transformers model with ``set_experts_implementation``) has experts modules (a 3-D
+    ``down_proj``) and flce.experts computes every one of them itself. Found at the first call."""
+    found = _COMPUTED.get(model)
+    if found is None:
+        experts = [m for m in model.modules() if getattr(getattr(m, "down_proj", None), "ndim", 0) == 3]
+        found = (callable(getattr(model, "set_experts_implementation", None)) and bool(experts)
+                 and all(computes_experts(m) for m in experts))
+        _COMPUTED[model] = found
+    return found
 
 
 def restore_experts(model: nn.Module) -> None:
