@@ -12,7 +12,7 @@ import warnings
 import torch
 import transformers
 
-import flce  # noqa: F401 - registers the "flce" experts backend
+import flce.experts  # registers the "flce" experts backend
 
 
 def saved_bytes(experts: torch.nn.Module, x, ids, weights) -> tuple[int, int]:
@@ -40,7 +40,7 @@ def main(shape: str, device: str) -> None:
     x = torch.randn(tokens, hidden, device=device, requires_grad=True)
     ids = torch.stack([torch.randperm(n_experts)[:top_k] for _ in range(tokens)]).to(device)
     weights = torch.rand(tokens, top_k, device=device, requires_grad=True)
-    for impl in ("grouped_mm", "flce", "eager"):
+    for impl in ("grouped_mm", flce.experts.BACKEND_NAME, "eager"):
         config._experts_implementation = impl
         total, count = saved_bytes(experts, x, ids, weights)
         print(f"{shape} {device} {impl}: {total / 2**20:.1f} MiB saved in {count} tensors", flush=True)
