@@ -13,7 +13,6 @@ from conftest import BACKENDS, DEVICE
 from hf_zoo import (MODELS_FILE, README_FILE, ZOO, build, installed, readme_with_models, recorded_verdicts,
                     render_models, train_step, zoo_batch, zoo_verdict)
 
-import flce
 import flce.experts
 
 RECORDED = recorded_verdicts()
