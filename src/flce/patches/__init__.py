@@ -13,9 +13,9 @@ forward. ``materialize_logits=True`` turns the fusion off, ``False`` fuses in ev
 One path for every model: ``apply`` (class/instance patching) -> ``forward`` (the model's own forward,
 with labels, its output embedding made a recorder that returns a logits ``promise``) -> ``promise``
 (records what the model does to the logits; its cross_entropy is the fused loss) -> ``head`` (that loss,
-inside a call of the real output embedding; nn.Linear and PEFT LoRA/DoRA heads). ``transform`` folds the
-logit transforms (scale, softcap, bias, vocabulary slice) into flce's options; ``moe`` selects flce's
-experts backend for Mixtral; ``settings`` validates the options.
+inside a call of the real output embedding; nn.Linear, column-scaled Linear and PEFT LoRA/DoRA heads).
+``transform`` folds the logit transforms (scale, softcap, bias, vocabulary slice) into flce's options; ``moe``
+selects flce's experts backend on MoE models whose experts it computes; ``settings`` validates the options.
 """
 
 from .apply import apply_flce_patch, remove_flce_patch
