@@ -63,6 +63,28 @@ def test_scaled_rows_gradients_in_pieces(monkeypatch):
     assert torch.equal(ScaleRows.apply(bf16, scale.float()), (bf16.float() * scale.float()[:, None]).bfloat16())
 
 
+def test_scaled_rows_on_the_triton_scale_kernel(monkeypatch):
+    """As on CUDA: the weight and its gradient scaled by the streaming Triton kernel (interpreted here), each value
+    within one bf16 step of the float64 product (the interpreter's cast truncates where CUDA rounds to nearest)."""
+    from flce import kernels
+    from flce.kernels import scale
+    from flce.patches import head
+
+    if not kernels.triton_available(torch.device("cpu")):
+        pytest.skip("the Triton interpreter is not available here")
+    monkeypatch.setattr(head, "resolve_backend", lambda *args: "triton")
+    monkeypatch.setattr(scale, "TORCH_BELOW", 0)
+    weight = torch.randn(6, 5).bfloat16().requires_grad_()
+    factor = torch.rand(6).add(0.5).requires_grad_()
+    out = head.ScaleRows.apply(weight, factor)
+    grad = torch.randn(6, 5).bfloat16()
+    out.backward(grad)
+    for got, want in ((out, weight.double() * factor.double()[:, None]),
+                      (weight.grad, grad.double() * factor.double()[:, None])):
+        assert got.dtype == torch.bfloat16 and ((got.double() - want).abs() <= want.abs() * 2**-7).all()
+    assert_close(factor.grad, (grad.double() * weight.double()).sum(1), 1e-6, "grad of the scale")
+
+
 def test_head_that_scales_its_columns_refuses_a_dtensor_weight(monkeypatch):
     """A sharded weight cannot be scaled row by row in place: a clear refusal instead of a DTensor error."""
     from flce.patches import head

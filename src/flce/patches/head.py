@@ -20,6 +20,8 @@ from torch import nn
 
 from ..api import linear_cross_entropy
 from ..distributed import is_dtensor
+from ..kernels import resolve_backend
+from ..kernels.scale import scale_into
 from .transform import LogitTransform, Unfusable
 
 # Wrappers whose forward ends in a call of the wrapped module (FSDP1, activation checkpointing): the swap
@@ -114,28 +116,27 @@ def _scaled_column_parts(module: nn.Linear, scaled: ScaledColumns, x: torch.Tens
 
 class ScaleRows(torch.autograd.Function):
     """(V, H) weight times a (V,) scale per row (float32, or float64), in the weight's dtype: each product in the
-    scale's dtype, rounded once. Pieces of rows keep the wide values at ``PIECE_ELEMENTS`` (no float32 copy of a
-    131072 x 2560 head)."""
+    scale's dtype, rounded once (``kernels.scale.scale_into``: on CUDA a streaming kernel, no float32 copy of a
+    131072 x 2560 head). The scale's gradient, the rows' dot products of grad with the weight, goes in pieces of
+    rows of ``PIECE_ELEMENTS``."""
 
     PIECE_ELEMENTS = 1 << 24
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(weight, scale)
-        out = torch.empty_like(weight)
-        for rows in ScaleRows.pieces(weight):
-            torch.mul(weight[rows], scale[rows, None], out=out[rows])  # float32 math, rounded into out
-        return out
+        ctx.backend = resolve_backend("auto", weight.device, weight.dtype)
+        return scale_into(weight, scale[:, None], weight.dtype, ctx.backend, out=torch.empty_like(weight))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         weight, scale = ctx.saved_tensors
-        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[0] else None
-        grad_scale = torch.empty_like(scale) if ctx.needs_input_grad[1] else None
-        for rows in ScaleRows.pieces(weight):
-            if grad_weight is not None:
-                torch.mul(grad[rows], scale[rows, None], out=grad_weight[rows])
-            if grad_scale is not None:  # the rows' dot products of grad with the weight, in the scale's dtype
+        grad_weight = grad_scale = None
+        if ctx.needs_input_grad[0]:
+            grad_weight = scale_into(grad, scale[:, None], weight.dtype, ctx.backend, out=torch.empty_like(weight))
+        if ctx.needs_input_grad[1]:
+            grad_scale = torch.empty_like(scale)
+            for rows in ScaleRows.pieces(weight):  # in the scale's dtype
                 torch.sum(grad[rows].to(scale.dtype) * weight[rows], dim=1, out=grad_scale[rows])
         return grad_weight, grad_scale
 
