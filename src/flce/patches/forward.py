@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .head import scaled_columns, unreadable_reason
+from .head import innermost, scaled_columns, unreadable_reason
 from .promise import HeadCall, LogitsPromise
 from .settings import PatchSettings
 from .transform import ADVICE
@@ -180,7 +180,7 @@ def _out_features(head: nn.Module) -> int:
 
 
 def _output_dtype(hidden: torch.Tensor, head: nn.Module) -> torch.dtype:
-    if scaled_columns(head) is not None:
+    if scaled_columns(innermost(head)) is not None:  # below FSDP1 / modules_to_save wrappers, as the loss reads it
         return torch.float32  # its forward scales float32 logits
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
