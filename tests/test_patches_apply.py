@@ -2,9 +2,12 @@
 errors with nothing patched, models that override the forward or the loss, pickling, accelerate's mixed
 precision before and after prepare."""
 
+import contextlib
 import copy
+import gc
 import inspect
 import io
+import weakref
 
 import pytest
 import torch
@@ -84,6 +87,29 @@ def test_patched_model_deepcopies():
     assert clone(**inputs).logits is None  # the copy keeps its own patch
     flce.remove_flce_patch(clone)
     assert "forward" not in clone.__dict__
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3moe"])
+@pytest.mark.parametrize("how", ["instance", "class"])
+def test_a_patched_model_is_freed_when_its_last_reference_goes(family, how):
+    """No reference cycle through the patch: parameters and gradients go with ``del model``, not at the next
+    run of Python's cyclic collector (which GPU memory does not trigger)."""
+    cls = transformers.AutoModelForCausalLM._model_mapping[type(tiny_model(family).config)]
+    inputs = tiny_batch()
+    gc.collect()
+    gc.disable()
+    try:
+        with patched(cls) if how == "class" else contextlib.nullcontext():
+            model = tiny_model(family)
+            if how == "instance":
+                flce.apply_flce_patch(model)
+            model(**inputs).loss.backward()
+            assert model(**inputs).logits is None  # fused: the patch is on
+            gone, grad = weakref.ref(model), weakref.ref(model.lm_head.weight.grad)
+            del model
+            assert gone() is None and grad() is None
+    finally:
+        gc.enable()
 
 
 def _with_head(model, head):

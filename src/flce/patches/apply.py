@@ -5,7 +5,7 @@ A class patch replaces ``cls.forward``; an instance patch sets ``model.forward``
 settings at call time, so re-applying only updates the settings, and a wrapper that someone else has
 wrapped in turn (accelerate's mixed-precision forward) becomes a pass-through when removed. An instance
 patch takes precedence over a class patch of its class. A patched instance saved whole (torch.save)
-comes back patched: its forward is a plain picklable object holding the model and the settings.
+comes back patched: its forward is a plain picklable object holding the model (weakly) and the settings.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import functools
 import gc
 import inspect
 import warnings
+import weakref
 from typing import TypeVar
 
 from torch import nn
@@ -118,13 +119,27 @@ def _class_forward(cls: type, func):
 class InstanceForward:
     """``model.forward`` of a patched instance: the fused forward around ``inner`` (None: the class's).
 
-    settings None makes it a pass-through (removed while someone else's wrapper still calls it).
+    settings None makes it a pass-through (removed while someone else's wrapper still calls it). It holds its
+    model weakly: the model's ``__dict__`` holds it, and a strong reference back would make every patched model
+    a reference cycle, whose parameters and gradients outlive ``del model`` until Python's cyclic collector
+    runs (GPU memory does not trigger it).
     """
 
     __flce_patch__ = "instance"
 
     def __init__(self, model: nn.Module, inner, settings: PatchSettings | None) -> None:
-        self.model, self.inner, self.settings = model, inner, settings
+        self._model, self.inner, self.settings = weakref.ref(model), inner, settings
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise ReferenceError("flce: this forward's model no longer exists")
+        return model
+
+    def __reduce__(self):
+        """Pickled (torch.save) and deep-copied around the copy of its model, which both already hold."""
+        return InstanceForward, (self.model, self.inner, self.settings)
 
     def __call__(self, *args, **kwargs):
         inner = self.inner if self.inner is not None else functools.partial(type(self.model).forward, self.model)
