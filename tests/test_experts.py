@@ -49,14 +49,17 @@ def make_case(tokens, hidden, inter, experts, top_k, dtype, device, case="random
     return x, routing(case, tokens, top_k, experts, device), weights, gate_up, down
 
 
-def loop_reference(x, ids, weights, gate_up, down):
-    """Float64 per-expert loop (transformers' eager algorithm); returns (out, float64 leaves)."""
+def loop_reference(x, ids, weights, gate_up, down, limit=None):
+    """Float64 per-expert loop (transformers' eager algorithm, DeepSeek-V4's clamp with ``limit``); returns
+    (out, float64 leaves)."""
     leaves = [t.detach().double().requires_grad_() for t in (x, weights, gate_up, down)]
     x64, w64, gu64, d64 = leaves
     out = torch.zeros_like(x64)
     for e in range(gu64.shape[0]):
         tok, choice = torch.where(ids == e)
         gate, up = (x64[tok] @ gu64[e].T).chunk(2, dim=-1)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
         y = (F.silu(gate) * up) @ d64[e].T
         out = out.index_add(0, tok, y * w64[tok, choice, None])
     return out, leaves
@@ -64,7 +67,7 @@ def loop_reference(x, ids, weights, gate_up, down):
 
 def check(x, ids, weights, gate_up, down, tol, **kwargs):
     out = flce.experts_forward(x, ids, weights, gate_up, down, **kwargs)
-    ref, leaves = loop_reference(x, ids, weights, gate_up, down)
+    ref, leaves = loop_reference(x, ids, weights, gate_up, down, kwargs.get("swiglu_limit"))
     assert out.shape == x.shape and out.dtype == x.dtype
     assert_close(out, ref, tol, "output")
     grad = torch.randn_like(ref)
@@ -82,9 +85,10 @@ CASES = ["random", "empty_expert", "one_expert", "dropped"]
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_loop_path_matches_float64_reference(case, top_k):
+@pytest.mark.parametrize("limit", [None, 0.3])
+def test_loop_path_matches_float64_reference(case, top_k, limit):
     check(*make_case(23, 12, 10, 4, top_k, torch.float64, "cpu", case), TOL[torch.float64], gemm="loop",
-          elementwise="torch")
+          elementwise="torch", swiglu_limit=limit)
 
 
 @pytest.mark.skipif(not HAS_GROUPED_MM, reason="torch has no grouped_mm")
@@ -161,11 +165,13 @@ def test_partial_gradients_and_mixed_dtypes():
     ("triton", torch.float32, "empty_expert", 2, (7, 16, 24, 3)),
     ("triton_tma", torch.float16, "dropped", 2, (13, 24, 8, 3)),  # TMA: 16-bit only (the interpreter lacks bf16)
 ])
-def test_triton_path_matches_float64_reference(gemm, dtype, case, top_k, sizes):
-    """The Triton GEMMs and elementwise kernels (interpreter on CPU), K tails and odd widths included."""
+@pytest.mark.parametrize("limit", [None, 0.3])
+def test_triton_path_matches_float64_reference(gemm, dtype, case, top_k, sizes, limit):
+    """The Triton GEMMs and elementwise kernels (interpreter on CPU), K tails and odd widths included; a SwiGLU
+    clamp at 0.3 (the projections have unit scale: most entries clamped)."""
     tokens, hidden, inter, experts = sizes
     check(*make_case(tokens, hidden, inter, experts, top_k, dtype, KERNEL_DEVICE, case), TOL[dtype], gemm=gemm,
-          elementwise="triton")
+          elementwise="triton", swiglu_limit=limit)
 
 
 # ------------------------------------------------------------------------------------ transformers
@@ -232,6 +238,51 @@ def test_other_expert_layouts_fall_back():
     assert_close(got, want, 1e-5, "fallback")
 
 
+def test_a_custom_gate_flce_does_not_know_falls_back():
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    class ScaledGate(MixtralExperts):
+        def _apply_gate(self, gate_up):
+            return 2 * super()._apply_gate(gate_up)
+
+    x, ids, weights, gate_up, down = make_case(9, 32, 24, 4, 2, torch.float32, "cpu")
+    module = eager_experts(gate_up, down)
+    module.__class__ = ScaledGate
+    assert not fx.computes_experts(module)
+
+
+GATED_FAMILIES = {"deepseek_v4": "limit", "hy_v4": "swiglu_limit", "beam": None, "lfm2_moe": None}
+
+
+@pytest.mark.parametrize("model_type", sorted(GATED_FAMILIES))
+def test_families_with_their_own_gate_match_their_experts(model_type, monkeypatch):
+    """The experts of families whose gate flce's SwiGLU computes (a clamp, SwiGLU in float32, F.silu) run on
+    flce and match the class's own forward, the clamp set low enough to bite."""
+    hf_zoo = pytest.importorskip("hf_zoo")
+    if model_type not in hf_zoo.ZOO:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    model = hf_zoo.build(model_type)
+    module = next(m for m in model.modules() if type(m).__name__.endswith("Experts") and fx.computes_experts(m))
+    limit_attr = GATED_FAMILIES[model_type]
+    if limit_attr:
+        setattr(module, limit_attr, 0.05)  # the tiny projections are ~0.1
+    experts, _, hidden = module.gate_up_proj.shape
+    x = torch.randn(13, hidden)
+    ids = routing("random", 13, 2, experts)
+    weights = torch.rand(13, 2)
+    calls = []
+    monkeypatch.setattr(fx, "experts_forward", lambda *a, **k: calls.append(k) or flce.experts_forward(*a, **k))
+    results = []
+    for impl in ("eager", "flce"):
+        model.set_experts_implementation(impl)
+        xi = x.clone().requires_grad_()
+        out = module(xi, ids, weights)
+        results.append((out, *torch.autograd.grad(out.square().sum(), (xi, module.gate_up_proj, module.down_proj))))
+    assert calls and calls[0]["swiglu_limit"] == (0.05 if limit_attr else None)
+    for name, got, want in zip(("output", "grad x", "grad gate_up", "grad down"), results[1], results[0]):
+        assert_close(got, want, 1e-5, f"{model_type} {name}")
+
+
 def test_tiny_mixtral_loss_aux_loss_and_grads_match_eager(monkeypatch):
     calls = []
     fused = fx.experts_forward
@@ -283,6 +334,7 @@ def test_route_pairs_sorts_stably_and_inverts():
     (lambda a: {**a, "gemm": "cublas"}, ValueError),
     (lambda a: {**a, "gemm": "grouped_mm"}, ValueError),  # float64 has no grouped_mm
     (lambda a: {**a, "elementwise": "cuda"}, ValueError),
+    *[(lambda a, v=v: {**a, "swiglu_limit": v}, ValueError) for v in (0.0, -1.0, float("inf"), float("nan"), True)],
 ])
 def test_bad_input_raises_clear_errors(bad, error):
     x, ids, weights, gate_up, down = make_case(5, 8, 4, 3, 2, torch.float64, "cpu")
@@ -395,10 +447,12 @@ def _gpu_path_ok(gemm, dtype=torch.bfloat16):
 @pytest.mark.parametrize("gemm", GPU_PATHS)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_gpu_paths_match_reference(gemm, case, top_k):
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_gpu_paths_match_reference(gemm, case, top_k, limit):
     if not _gpu_path_ok(gemm):
         pytest.skip(f"{gemm} unavailable on this GPU")
-    check(*make_case(300, 256, 512, 8, top_k, torch.bfloat16, "cuda", case), TOL[torch.bfloat16], gemm=gemm)
+    check(*make_case(300, 256, 512, 8, top_k, torch.bfloat16, "cuda", case), TOL[torch.bfloat16], gemm=gemm,
+          swiglu_limit=limit)
 
 
 @pytest.mark.gpu

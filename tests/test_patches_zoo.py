@@ -75,7 +75,8 @@ def test_zoo_sample_with_the_triton_backend(model_type):
     assert zoo_verdict(model_type, backend="triton", device=DEVICE.type, tol=tol).kind == "fused"
 
 
-MOE_ON_FLCE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm4_moe", "granitemoe"]
+MOE_ON_FLCE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm4_moe", "granitemoe",
+               "deepseek_v4", "hy_v4", "lfm2_moe"]  # deepseek_v4, hy_v4: a clamped SwiGLU; lfm2_moe: F.silu
 MOE_KEPT = ["gpt_oss", "dbrx", "llama4_text", "jetmoe"]  # biases and a clamped gate, other layouts
 
 

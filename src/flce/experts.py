@@ -1,4 +1,5 @@
-"""A Mixtral experts backend for transformers, registered as ``"flce"``.
+"""A SwiGLU experts backend for transformers (Mixtral, Qwen-MoE, DeepSeek, most MoE families), registered as
+``"flce"``.
 
 transformers 5 keeps a layer's experts as two 3-D parameters, ``gate_up_proj (E, 2I, H)`` (gate rows
 first) and ``down_proj (E, H, I)``, and calls the backend named by ``config._experts_implementation``
@@ -13,7 +14,8 @@ at one host sync per layer call, see ``flce.kernels.experts_dispatch``):
 1. sort the S = T * k token-expert pairs by expert; ``offsets`` by ``searchsorted``. Pairs whose expert
    id is outside [0, E) (expert-parallel sentinels) sort last and are dropped.
 2. gather the tokens once in that order: ``xs`` (S, H).
-3. ``h = xs @ gate_up[e]^T`` (grouped GEMM), ``a = silu(h_gate) * h_up`` (one kernel).
+3. ``h = xs @ gate_up[e]^T`` (grouped GEMM), ``a = silu(h_gate) * h_up`` (one kernel; with ``swiglu_limit``
+   the gate half clamped to at most the limit and the up half to [-limit, limit] first, DeepSeek-V4's form).
 4. ``y = a @ down[e]^T`` (grouped GEMM).
 5. ``out[t] = sum_j w[t, j] * y[pos[t, j]]`` in float32: the routing-weight multiply, the un-permute and
    the recombine in one kernel.
@@ -71,22 +73,23 @@ def route_pairs(top_k_index: torch.Tensor, num_experts: int) -> Routes:
 
 class ExpertsFunction(torch.autograd.Function):
     """Inputs: hidden (T, H), gate_up (E, 2I, H), down (E, H, I), weights (T, k) contiguous, perm,
-    pos, offsets (see :class:`Routes`), the GEMMs' dtype, gemm path, elementwise ops.
-    Output: (T, H) in hidden's dtype; gradients in their inputs' dtypes."""
+    pos, offsets (see :class:`Routes`), the GEMMs' dtype, gemm path, elementwise ops, the SwiGLU's clamp
+    limit (None: none). Output: (T, H) in hidden's dtype; gradients in their inputs' dtypes."""
 
     @staticmethod
-    def forward(ctx, hidden, gate_up_param, down_param, weights, perm, pos, offsets, dtype, gemm, ops):
+    def forward(ctx, hidden, gate_up_param, down_param, weights, perm, pos, offsets, dtype, gemm, ops, limit):
         n_valid = offsets[-1:]
         with torch.autocast(hidden.device.type, enabled=False):
             gate_up, down = gate_up_param.to(dtype), down_param.to(dtype)  # copies only under autocast
             xs = hidden.to(dtype).index_select(0, perm // pos.shape[1])
             h = rows_mm(xs, gate_up.transpose(1, 2), offsets, gemm)
-            y = rows_mm(ops["swiglu"](h, n_valid), down.transpose(1, 2), offsets, gemm)
+            y = rows_mm(ops["swiglu"](h, n_valid, limit), down.transpose(1, 2), offsets, gemm)
             out = ops["combine"](y, pos, weights, n_valid, hidden.dtype)
         need_x, need_gate_up, need_down, need_weights = ctx.needs_input_grad[:4]
         ctx.save_for_backward(xs if need_gate_up else None, h if need_x or need_gate_up or need_down else None,
                               y if need_weights else None, gate_up, down, weights, perm, pos, offsets)
-        ctx.gemm, ctx.ops, ctx.hidden_dtype, ctx.param_dtype = gemm, ops, hidden.dtype, gate_up_param.dtype
+        ctx.gemm, ctx.ops, ctx.limit = gemm, ops, limit
+        ctx.hidden_dtype, ctx.param_dtype = hidden.dtype, gate_up_param.dtype
         return out
 
     @staticmethod
@@ -101,13 +104,13 @@ class ExpertsFunction(torch.autograd.Function):
             dy, dw = ops["combine_backward"](grad_out.contiguous(), y if need_weights else None, perm, weights,
                                              n_valid, gate_up.dtype)
             if need_x or need_gate_up or need_down:
-                dh, a = ops["swiglu_backward"](h, rows_mm(dy, down, offsets, gemm), n_valid)
+                dh, a = ops["swiglu_backward"](h, rows_mm(dy, down, offsets, gemm), n_valid, ctx.limit)
                 d_down = wgrad_mm(dy, a, offsets, gemm).to(ctx.param_dtype) if need_down else None
                 del dy, a
                 d_gate_up = wgrad_mm(dh, xs, offsets, gemm).to(ctx.param_dtype) if need_gate_up else None
                 if need_x:
                     dx = ops["combine"](rows_mm(dh, gate_up, offsets, gemm), pos, None, n_valid, ctx.hidden_dtype)
-        return dx, d_gate_up, d_down, dw, None, None, None, None, None, None
+        return dx, d_gate_up, d_down, dw, None, None, None, None, None, None, None
 
 
 @compile_disabled  # under torch.compile the layer runs eagerly: dynamo cannot trace its autotuned Triton launches
@@ -120,6 +123,7 @@ def experts_forward(
     *,
     gemm: str | None = None,
     elementwise: str = "auto",
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """SwiGLU mixture of experts: ``sum_j w[t, j] * down[e] @ (silu(gate[e] @ x_t) * (up[e] @ x_t))``.
 
@@ -133,17 +137,21 @@ def experts_forward(
         gemm: "auto" (default; ``FLCE_EXPERTS_GEMM`` overrides), "triton", "triton_tma", "grouped_mm"
             or "loop", see :mod:`flce.kernels.experts_dispatch`.
         elementwise: "auto", "triton" or "torch" for the SwiGLU and combine kernels.
+        swiglu_limit: clamp the gate projection to at most this and the up projection to [-limit, limit]
+            before the SwiGLU (DeepSeek-V4's and Hunyuan-V4's ``swiglu_limit``); None: no clamp.
     Returns:
         (T, H) in hidden_states' dtype.
     """
     _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    _check_limit(swiglu_limit)
     gemm = gemm if gemm is not None else os.environ.get("FLCE_EXPERTS_GEMM", "auto")
     device = hidden_states.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else gate_up_proj.dtype
     ops = elementwise_ops(resolve_elementwise(elementwise, device, dtype))
     routes = route_pairs(top_k_index, gate_up_proj.shape[0])
     return ExpertsFunction.apply(hidden_states, gate_up_proj, down_proj, top_k_weights.contiguous(),
-                                 routes.perm, routes.pos, routes.offsets, dtype, gemm, ops)
+                                 routes.perm, routes.pos, routes.offsets, dtype, gemm, ops,
+                                 None if swiglu_limit is None else float(swiglu_limit))
 
 
 def _check(hidden, index, weights, gate_up, down) -> None:
@@ -170,16 +178,40 @@ def _check(hidden, index, weights, gate_up, down) -> None:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
+def _check_limit(limit) -> None:
+    number = isinstance(limit, (int, float)) and not isinstance(limit, bool)
+    if limit is not None and not (number and 0 < limit < float("inf")):
+        raise ValueError(f"swiglu_limit must be a positive finite number or None, got {limit!r}")
+
+
 def _shapes(*tensors: torch.Tensor) -> str:
     return ", ".join(str(tuple(t.shape)) for t in tensors)
 
 
 # ------------------------------------------------------------------------------ transformers backend
 
+@dataclass(frozen=True)
+class GateForm:
+    """An experts class whose own ``_apply_gate`` flce's SwiGLU computes: the attribute holding its clamp limit
+    (None: no clamp), and whether the gate is SiLU by its code (else its ``act_fn`` must be SiLU)."""
+
+    limit_attr: str | None = None
+    silu_in_code: bool = False
+
+
+# The ``_apply_gate`` overrides that are flce's SwiGLU, by class name (a new one is an entry; the zoo's verdicts
+# compare each family's training step on flce's experts with its own):
+GATE_FORMS = {
+    "DeepseekV4Experts": GateForm(limit_attr="limit"),  # gate.clamp(max=L), up.clamp(-L, L), act_fn(gate) * up
+    "HYV4Experts": GateForm(limit_attr="swiglu_limit", silu_in_code=True),  # the same with F.silu
+    "BeamExperts": GateForm(),  # act_fn(gate) * up in float32, rounded once: as flce's kernels compute it
+}
+
+
 def computes_experts(experts: torch.nn.Module) -> bool:
     """Whether :func:`flce_experts_forward` computes this experts module itself (else it hands it to transformers'
     grouped_mm): Mixtral-style experts, concatenated gate/up (E, 2I, H), down (E, H, I), not transposed, no bias,
-    a SiLU gate and transformers' own gate application."""
+    a SiLU gate, applied by transformers' default gate or by a :data:`GATE_FORMS` class's own."""
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
         return False
@@ -190,13 +222,30 @@ def computes_experts(experts: torch.nn.Module) -> bool:
         return False
     if getattr(experts, "gate_up_proj_bias", None) is not None or getattr(experts, "down_proj_bias", None) is not None:
         return False
-    custom_gate = getattr(type(experts), "_apply_gate", None)
-    if custom_gate is not None and custom_gate.__name__ != "_default_apply_gate":
+    form = _gate_form(experts)
+    if form is None or not (form.silu_in_code or _is_silu(getattr(experts, "act_fn", None))):
         return False
-    if type(getattr(experts, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
-        return False
+    if form.limit_attr is not None:
+        limit = getattr(experts, form.limit_attr, None)
+        try:
+            _check_limit(limit)
+        except ValueError:
+            return False
     return (gate_up.dim() == 3 and down.dim() == 3
             and tuple(down.shape) == (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2))
+
+
+def _gate_form(experts: torch.nn.Module) -> GateForm | None:
+    """transformers' default gate: GateForm(); a class's own gate: its GATE_FORMS entry, or None."""
+    custom_gate = getattr(type(experts), "_apply_gate", None)
+    if custom_gate is None or custom_gate.__name__ == "_default_apply_gate":
+        return GateForm()
+    owner = next((c for c in type(experts).__mro__ if "_apply_gate" in c.__dict__), None)
+    return GATE_FORMS.get(owner.__name__) if owner is not None else None
+
+
+def _is_silu(act) -> bool:
+    return act is torch.nn.functional.silu or type(act).__name__ in ("SiLU", "SiLUActivation")
 
 
 def flce_experts_forward(
@@ -211,7 +260,9 @@ def flce_experts_forward(
     ``grouped_mm`` backend (or the module's eager forward where that is missing).
     """
     if computes_experts(self) and self.gate_up_proj.shape[2] == hidden_states.shape[-1]:
-        return experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+        limit_attr = _gate_form(self).limit_attr
+        return experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                               swiglu_limit=getattr(self, limit_attr) if limit_attr else None)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     fallback = ALL_EXPERTS_FUNCTIONS.get("grouped_mm") or type(self).forward.__wrapped__

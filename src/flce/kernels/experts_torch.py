@@ -66,24 +66,36 @@ def grouped_wgrad_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) ->
     return _grouped_mm()(a.t(), b, offs=offsets[1:])
 
 
-def swiglu_torch(h: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
-    """silu(h[:, :I]) * h[:, I:] for h (S, 2I); returns (S, I). (``n_valid`` is the Triton twin's row
-    limit; here every row is computed, rows past it being don't-cares.)"""
-    gate, up = h.to(_acc_dtype(h.dtype)).chunk(2, dim=-1)
+def swiglu_torch(h: torch.Tensor, n_valid: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(h[:, :I]) * h[:, I:] for h (S, 2I); returns (S, I). With ``limit``, the gate half is first clamped
+    to at most limit and the up half to [-limit, limit]. (``n_valid`` is the Triton twin's row limit; here every
+    row is computed, rows past it being don't-cares.)"""
+    gate, up = _clamped(*h.to(_acc_dtype(h.dtype)).chunk(2, dim=-1), limit)
     return (F.silu(gate) * up).to(h.dtype)
 
 
-def swiglu_backward_torch(h: torch.Tensor, da: torch.Tensor,
-                          n_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward_torch(h: torch.Tensor, da: torch.Tensor, n_valid: torch.Tensor,
+                          limit: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh (S, 2I), a (S, I)) from h (S, 2I) and da (S, I); ``a`` is written over ``da``."""
     acc = _acc_dtype(h.dtype)
-    gate, up = h.to(acc).chunk(2, dim=-1)
+    gate_in, up_in = h.to(acc).chunk(2, dim=-1)
+    gate, up = _clamped(gate_in, up_in, limit)
     grad = da.to(acc)
     sig = torch.sigmoid(gate)
     silu = gate * sig
-    dh = torch.cat([grad * up * sig * (1 + gate * (1 - sig)), grad * silu], dim=-1).to(h.dtype)
+    d_gate, d_up = grad * up * sig * (1 + gate * (1 - sig)), grad * silu
+    if limit is not None:  # a clamped input gets no gradient (torch's clamp passes it where min <= x <= max)
+        d_gate = torch.where(gate_in <= limit, d_gate, 0.0)
+        d_up = torch.where((up_in >= -limit) & (up_in <= limit), d_up, 0.0)
+    dh = torch.cat([d_gate, d_up], dim=-1).to(h.dtype)
     da.copy_(silu * up)
     return dh, da
+
+
+def _clamped(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if limit is None:
+        return gate, up
+    return gate.clamp(max=limit), up.clamp(-limit, limit)
 
 
 def combine_torch(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None, n_valid: torch.Tensor,

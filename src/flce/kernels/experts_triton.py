@@ -345,58 +345,82 @@ def _gate_up(h_ptr, row, stride_h, I, cols, mask):
 
 
 @triton.jit
-def _swiglu_kernel(h_ptr, a_ptr, n_valid_ptr, I, stride_h, stride_a, BLOCK: tl.constexpr):
+def _clamped(gate, up, limit, HAS_LIMIT: tl.constexpr):
+    """gate.clamp(max=limit), up.clamp(-limit, limit) as torch computes them (NaN stays NaN)."""
+    if HAS_LIMIT:
+        gate = tl.where(gate > limit, limit, gate)
+        up = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
+    return gate, up
+
+
+@triton.jit
+def _swiglu_kernel(h_ptr, a_ptr, n_valid_ptr, I, stride_h, stride_a, limit, HAS_LIMIT: tl.constexpr,
+                   BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(n_valid_ptr):  # rows of dropped pairs hold no data
         return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
     gate, up = _gate_up(h_ptr, row, stride_h, I, cols, mask)
+    gate, up = _clamped(gate, up, limit, HAS_LIMIT)
     act = gate * tl.sigmoid(gate) * up
     tl.store(a_ptr + row * stride_a + cols, act.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, n_valid_ptr, I, stride_h, stride_da, stride_dh, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, n_valid_ptr, I, stride_h, stride_da, stride_dh, limit,
+                       HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(n_valid_ptr):
         return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
-    gate, up = _gate_up(h_ptr, row, stride_h, I, cols, mask)
+    gate_in, up_in = _gate_up(h_ptr, row, stride_h, I, cols, mask)
+    gate, up = _clamped(gate_in, up_in, limit, HAS_LIMIT)
     da = tl.load(da_ptr + row * stride_da + cols, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     silu = gate * sig
     d_gate = da * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = da * silu
+    if HAS_LIMIT:  # a clamped input gets no gradient (torch's clamp passes it where min <= x <= max)
+        d_gate = tl.where(gate_in <= limit, d_gate, 0.0)
+        d_up = tl.where((up_in >= -limit) & (up_in <= limit), d_up, 0.0)
     dh_row = dh_ptr + row * stride_dh
     tl.store(dh_row + cols, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dh_row + I + cols, (da * silu).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_row + I + cols, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
     # da is dead once read: the recomputed activation (for the down projection's weight grad) replaces it.
     tl.store(da_ptr + row * stride_da + cols, (silu * up).to(da_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_triton(h: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
-    """silu(h[:, :I]) * h[:, I:] for h (S, 2I) with unit column stride; returns (S, I).
+def swiglu_triton(h: torch.Tensor, n_valid: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(h[:, :I]) * h[:, I:] for h (S, 2I) with unit column stride; returns (S, I). With ``limit``, the gate
+    half is first clamped to at most limit and the up half to [-limit, limit].
 
     Rows at or past ``n_valid`` ((1,) int32 on the device) are skipped (left unwritten).
     """
     rows, inter = h.shape[0], h.shape[1] // 2
     a = torch.empty(rows, inter, dtype=h.dtype, device=h.device)
     if a.numel():
-        _swiglu_kernel[(rows, triton.cdiv(inter, _BLOCK))](h, a, n_valid, inter, h.stride(0), a.stride(0),
-                                                           BLOCK=_BLOCK)
+        _swiglu_kernel[(rows, triton.cdiv(inter, _BLOCK))](
+            h, a, n_valid, inter, h.stride(0), a.stride(0), _limit_arg(limit), HAS_LIMIT=limit is not None,
+            BLOCK=_BLOCK)
     return a
 
 
-def swiglu_backward_triton(h: torch.Tensor, da: torch.Tensor,
-                           n_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward_triton(h: torch.Tensor, da: torch.Tensor, n_valid: torch.Tensor,
+                           limit: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh (S, 2I), a (S, I)) from h (S, 2I) and da (S, I); ``a`` is written over ``da``; rows past n_valid skipped."""
     rows, inter = da.shape
     dh = torch.empty(rows, 2 * inter, dtype=h.dtype, device=h.device)
     if da.numel():
         _swiglu_bwd_kernel[(rows, triton.cdiv(inter, _BLOCK))](
-            h, da, dh, n_valid, inter, h.stride(0), da.stride(0), dh.stride(0), BLOCK=_BLOCK)
+            h, da, dh, n_valid, inter, h.stride(0), da.stride(0), dh.stride(0), _limit_arg(limit),
+            HAS_LIMIT=limit is not None, BLOCK=_BLOCK)
     return dh, da
+
+
+def _limit_arg(limit: float | None) -> float:
+    return 0.0 if limit is None else float(limit)  # a float argument either way: one specialization
 
 
 @triton.jit
