@@ -113,6 +113,29 @@ def test_grouped_mm_path_matches_float64_reference(case):
           elementwise="torch")
 
 
+@pytest.mark.parametrize("gemm,ew", [("loop", "torch"), pytest.param("grouped_mm", "torch", marks=pytest.mark.skipif(
+    not HAS_GROUPED_MM, reason="torch has no grouped_mm")), pytest.param("triton", "triton", marks=pytest.mark.skipif(
+        not TRITON, reason="triton cannot run here"))])
+def test_weights_stored_transposed(gemm, ew):
+    """Weights stored (E, H, 2I) and (E, I, H) (transformers' ``is_transposed``, Aria's), passed as their transposed
+    views: the float64 reference's results, and gradients laid out as the stored weights (no copy into them)."""
+    dtype = torch.float32
+    x, ids, weights, gate_up, down = make_case(19, 16, 12, 4, 2, dtype, KERNEL_DEVICE if ew == "triton" else "cpu")
+    stored = [w.detach().transpose(1, 2).contiguous().requires_grad_() for w in (gate_up, down)]
+    out = flce.experts_forward(x, ids, weights, stored[0].transpose(1, 2), stored[1].transpose(1, 2), gemm=gemm,
+                               elementwise=ew)
+    ref, leaves = loop_reference(x, ids, weights, gate_up, down)
+    assert_close(out, ref, TOL[dtype], "output")
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (x, weights, *stored), grad.to(dtype))
+    want = torch.autograd.grad(ref, leaves, grad)
+    for name, g, w in zip(("x", "weights"), got, want):
+        assert_close(g, w, TOL[dtype], f"grad {name}")
+    for name, g, w, leaf in zip(("gate_up", "down"), got[2:], want[2:], stored):
+        assert g.shape == leaf.shape and g.is_contiguous(), name
+        assert_close(g, w.transpose(1, 2), TOL[dtype], f"grad {name}")
+
+
 @settings(max_examples=25, deadline=None)
 @given(tokens=st.integers(1, 17), top_k=st.integers(1, 3), experts=st.integers(4, 6),
        case=st.sampled_from(CASES), seed=st.integers(0, 2**16))
@@ -266,13 +289,14 @@ def test_a_custom_gate_flce_does_not_know_falls_back():
     assert not fx.computes_experts(module)
 
 
-GATED_FAMILIES = {"deepseek_v4": "limit", "hy_v4": "swiglu_limit", "beam": None, "lfm2_moe": None}
+GATED_FAMILIES = {"deepseek_v4": "limit", "hy_v4": "swiglu_limit", "beam": None, "lfm2_moe": None, "aria_text": None}
 
 
 @pytest.mark.parametrize("model_type", sorted(GATED_FAMILIES))
 def test_families_with_their_own_gate_match_their_experts(model_type, monkeypatch):
-    """The experts of families whose gate flce's SwiGLU computes (a clamp, SwiGLU in float32, F.silu) run on
-    flce and match the class's own forward, the clamp set low enough to bite."""
+    """The experts of families whose gate flce's SwiGLU computes (a clamp, SwiGLU in float32, F.silu) or that
+    store their weights transposed (Aria) run on flce and match the class's own forward, the clamp set low enough
+    to bite."""
     hf_zoo = pytest.importorskip("hf_zoo")
     if model_type not in hf_zoo.ZOO:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
@@ -281,7 +305,7 @@ def test_families_with_their_own_gate_match_their_experts(model_type, monkeypatc
     limit_attr = GATED_FAMILIES[model_type]
     if limit_attr:
         setattr(module, limit_attr, 0.05)  # the tiny projections are ~0.1
-    experts, _, hidden = module.gate_up_proj.shape
+    experts, hidden = module.gate_up_proj.shape[0], model.get_input_embeddings().embedding_dim
     x = torch.randn(13, hidden)
     ids = routing("random", 13, 2, experts)
     weights = torch.rand(13, 2)

@@ -76,7 +76,7 @@ def test_zoo_sample_with_the_triton_backend(model_type):
 
 
 MOE_ON_FLCE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm4_moe", "granitemoe",
-               "deepseek_v4", "hy_v4", "lfm2_moe"]  # deepseek_v4, hy_v4: a clamped SwiGLU; lfm2_moe: F.silu
+               "deepseek_v4", "hy_v4", "lfm2_moe", "aria_text"]  # a clamped SwiGLU, F.silu, transposed weights
 MOE_KEPT = ["gpt_oss", "dbrx", "llama4_text", "jetmoe"]  # biases and a clamped gate, other layouts
 
 

@@ -89,6 +89,7 @@ class ExpertsFunction(torch.autograd.Function):
         ctx.save_for_backward(xs if need_gate_up else None, h if need_x or need_gate_up or need_down else None,
                               y if need_weights else None, gate_up, down, weights, perm, pos, offsets)
         ctx.gemm, ctx.ops, ctx.limit = gemm, ops, limit
+        ctx.transposed = _stored_transposed(gate_up_param), _stored_transposed(down_param)
         ctx.hidden_dtype, ctx.param_dtype = hidden.dtype, gate_up_param.dtype
         return out
 
@@ -105,12 +106,24 @@ class ExpertsFunction(torch.autograd.Function):
                                              n_valid, gate_up.dtype)
             if need_x or need_gate_up or need_down:
                 dh, a = ops["swiglu_backward"](h, rows_mm(dy, down, offsets, gemm), n_valid, ctx.limit)
-                d_down = wgrad_mm(dy, a, offsets, gemm).to(ctx.param_dtype) if need_down else None
+                gate_up_t, down_t = ctx.transposed
+                d_down = _wgrad(dy, a, offsets, gemm, down_t).to(ctx.param_dtype) if need_down else None
                 del dy, a
-                d_gate_up = wgrad_mm(dh, xs, offsets, gemm).to(ctx.param_dtype) if need_gate_up else None
+                d_gate_up = _wgrad(dh, xs, offsets, gemm, gate_up_t).to(ctx.param_dtype) if need_gate_up else None
                 if need_x:
                     dx = ops["combine"](rows_mm(dh, gate_up, offsets, gemm), pos, None, n_valid, ctx.hidden_dtype)
         return dx, d_gate_up, d_down, dw, None, None, None, None, None, None, None
+
+
+def _stored_transposed(weight: torch.Tensor) -> bool:
+    """A (E, N, K) weight that is the transposed view of an (E, K, N) tensor (transformers' ``is_transposed``)."""
+    return weight.stride(1) < weight.stride(2)
+
+
+def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, gemm: str, transposed: bool) -> torch.Tensor:
+    """Per expert, a[rows]^T @ b[rows] (E, M, N), in the layout of the weight it is the gradient of: for a weight
+    stored transposed, (b^T a)^T, so that the parameter gets its gradient without a copy."""
+    return wgrad_mm(b, a, offsets, gemm).transpose(1, 2) if transposed else wgrad_mm(a, b, offsets, gemm)
 
 
 @compile_disabled  # under torch.compile the layer runs eagerly: dynamo cannot trace its autotuned Triton launches
@@ -210,12 +223,12 @@ GATE_FORMS = {
 
 def computes_experts(experts: torch.nn.Module) -> bool:
     """Whether :func:`flce_experts_forward` computes this experts module itself (else it hands it to transformers'
-    grouped_mm): Mixtral-style experts, concatenated gate/up (E, 2I, H), down (E, H, I), not transposed, no bias,
-    a SiLU gate, applied by transformers' default gate or by a :data:`GATE_FORMS` class's own."""
+    grouped_mm): Mixtral-style experts, concatenated gate/up (E, 2I, H), down (E, H, I) (or both stored transposed),
+    no bias, a SiLU gate, applied by transformers' default gate or by a :data:`GATE_FORMS` class's own."""
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
         return False
-    variants = ("has_bias", "is_transposed", "experts_are_transposed", "has_post_expert_norm")
+    variants = ("has_bias", "experts_are_transposed", "has_post_expert_norm")
     if any(getattr(experts, flag, False) for flag in variants):
         return False
     if not (getattr(experts, "has_gate", True) and getattr(experts, "is_concatenated", True)):
@@ -231,8 +244,18 @@ def computes_experts(experts: torch.nn.Module) -> bool:
             _check_limit(limit)
         except ValueError:
             return False
+    gate_up, down = _standard_layout(experts)
     return (gate_up.dim() == 3 and down.dim() == 3
             and tuple(down.shape) == (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2))
+
+
+def _standard_layout(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up (E, 2I, H) and down (E, H, I): the parameters, or their transposed views where transformers' experts
+    decorator says they are stored transposed (``is_transposed``: (E, H, 2I) and (E, I, H), Aria's)."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if getattr(experts, "is_transposed", False):
+        return gate_up.transpose(-1, -2), down.transpose(-1, -2)
+    return gate_up, down
 
 
 def _gate_form(experts: torch.nn.Module) -> GateForm | None:
@@ -259,9 +282,10 @@ def flce_experts_forward(
     Experts of another layout (bias, transposed weights, another activation) run transformers'
     ``grouped_mm`` backend (or the module's eager forward where that is missing).
     """
-    if computes_experts(self) and self.gate_up_proj.shape[2] == hidden_states.shape[-1]:
+    gate_up, down = _standard_layout(self) if computes_experts(self) else (None, None)
+    if gate_up is not None and gate_up.shape[2] == hidden_states.shape[-1]:
         limit_attr = _gate_form(self).limit_attr
-        return experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+        return experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down,
                                swiglu_limit=getattr(self, limit_attr) if limit_attr else None)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
