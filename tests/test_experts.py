@@ -93,6 +93,22 @@ def check(x, ids, weights, gate_up, down, tol, **kwargs):
         assert_close(g, w, tol, f"grad {name}")
 
 
+def check_transposed(x, ids, weights, gate_up, down, tol, **kwargs):
+    """:func:`check` with both weights stored transposed ((E, H, 2I), (E, I, H)) and passed as their transposed views:
+    the gradients must also come laid out as the stored weights (contiguous: no copy into them)."""
+    stored = [w.detach().transpose(1, 2).contiguous().requires_grad_() for w in (gate_up, down)]
+    out = flce.experts_forward(x, ids, weights, stored[0].transpose(1, 2), stored[1].transpose(1, 2), **kwargs)
+    ref, leaves = loop_reference(x, ids, weights, gate_up, down)
+    assert_close(out, ref, tol, "output")
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (x, weights, *stored), grad.to(out.dtype))
+    want = torch.autograd.grad(ref, leaves, grad)
+    want = (*want[:2], *(w.transpose(1, 2) for w in want[2:]))
+    for name, g, w in zip(("x", "weights", "gate_up", "down"), got, want):
+        assert g.shape == w.shape and g.is_contiguous(), name
+        assert_close(g, w, tol, f"grad {name}")
+
+
 CASES = ["random", "empty_expert", "one_expert", "dropped"]
 
 
@@ -119,21 +135,8 @@ def test_grouped_mm_path_matches_float64_reference(case):
 def test_weights_stored_transposed(gemm, ew):
     """Weights stored (E, H, 2I) and (E, I, H) (transformers' ``is_transposed``, Aria's), passed as their transposed
     views: the float64 reference's results, and gradients laid out as the stored weights (no copy into them)."""
-    dtype = torch.float32
-    x, ids, weights, gate_up, down = make_case(19, 16, 12, 4, 2, dtype, KERNEL_DEVICE if ew == "triton" else "cpu")
-    stored = [w.detach().transpose(1, 2).contiguous().requires_grad_() for w in (gate_up, down)]
-    out = flce.experts_forward(x, ids, weights, stored[0].transpose(1, 2), stored[1].transpose(1, 2), gemm=gemm,
-                               elementwise=ew)
-    ref, leaves = loop_reference(x, ids, weights, gate_up, down)
-    assert_close(out, ref, TOL[dtype], "output")
-    grad = torch.randn_like(ref)
-    got = torch.autograd.grad(out, (x, weights, *stored), grad.to(dtype))
-    want = torch.autograd.grad(ref, leaves, grad)
-    for name, g, w in zip(("x", "weights"), got, want):
-        assert_close(g, w, TOL[dtype], f"grad {name}")
-    for name, g, w, leaf in zip(("gate_up", "down"), got[2:], want[2:], stored):
-        assert g.shape == leaf.shape and g.is_contiguous(), name
-        assert_close(g, w.transpose(1, 2), TOL[dtype], f"grad {name}")
+    device = KERNEL_DEVICE if ew == "triton" else "cpu"
+    check_transposed(*make_case(19, 16, 12, 4, 2, torch.float32, device), TOL[torch.float32], gemm=gemm, elementwise=ew)
 
 
 @settings(max_examples=25, deadline=None)
@@ -492,6 +495,14 @@ def test_gpu_paths_match_reference(gemm, case, top_k, limit):
         pytest.skip(f"{gemm} unavailable on this GPU")
     check(*make_case(300, 256, 512, 8, top_k, torch.bfloat16, "cuda", case, grid=limit is not None),
           TOL[torch.bfloat16], gemm=gemm, swiglu_limit=limit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemm", GPU_PATHS)
+def test_gpu_weights_stored_transposed(gemm):
+    if not _gpu_path_ok(gemm):
+        pytest.skip(f"{gemm} unavailable on this GPU")
+    check_transposed(*make_case(300, 256, 512, 8, 2, torch.bfloat16, "cuda"), TOL[torch.bfloat16], gemm=gemm)
 
 
 @pytest.mark.gpu
