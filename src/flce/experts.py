@@ -279,14 +279,15 @@ def flce_experts_forward(
 ) -> torch.Tensor:
     """The ``ExpertsInterface`` entry: (T, H) hidden states, (T, k) ids and weights -> (T, H).
 
-    Experts of another layout (bias, transposed weights, another activation) run transformers'
-    ``grouped_mm`` backend (or the module's eager forward where that is missing).
+    Experts of another layout (a bias, another activation or gate) run transformers' ``grouped_mm`` backend (or
+    the module's eager forward where that is missing).
     """
-    gate_up, down = _standard_layout(self) if computes_experts(self) else (None, None)
-    if gate_up is not None and gate_up.shape[2] == hidden_states.shape[-1]:
+    if computes_experts(self):
+        gate_up, down = _standard_layout(self)
         limit_attr = _gate_form(self).limit_attr
-        return experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down,
-                               swiglu_limit=getattr(self, limit_attr) if limit_attr else None)
+        if gate_up.shape[2] == hidden_states.shape[-1]:
+            return experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down,
+                                   swiglu_limit=getattr(self, limit_attr) if limit_attr else None)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     fallback = ALL_EXPERTS_FUNCTIONS.get("grouped_mm") or type(self).forward.__wrapped__
