@@ -292,6 +292,35 @@ def test_a_custom_gate_flce_does_not_know_falls_back():
     assert not fx.computes_experts(module)
 
 
+def test_a_listed_gate_is_checked_against_flce_s_swiglu(monkeypatch):
+    """A class GATE_FORMS names is computed only if its own gate gives flce's SwiGLU: one that does something
+    else under that name (another transformers, say) keeps its own implementation."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    class ClampedGate(MixtralExperts):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act_fn(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
+
+    class UpUnclamped(MixtralExperts):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act_fn(gate.clamp(max=self.limit)) * up
+
+    for cls in (ClampedGate, UpUnclamped):
+        monkeypatch.setitem(fx.GATE_FORMS, cls.__name__, fx.GateForm(limit_attr="limit"))
+    x, ids, weights, gate_up, down = make_case(9, 32, 24, 4, 2, torch.float32, "cpu")
+    module = eager_experts(gate_up, down)
+    module.limit = 0.5
+    module.__class__ = ClampedGate
+    assert fx.computes_experts(module)
+    module.__class__ = UpUnclamped
+    assert not fx.computes_experts(module)
+    got = fx.flce_experts_forward(module, x, ids, weights)
+    assert_close(got, ALL_EXPERTS_FUNCTIONS["grouped_mm"](module, x, ids, weights), 1e-5, "fallback: its own gate")
+    assert rel_err(got, flce.experts_forward(x, ids, weights, gate_up, down, swiglu_limit=0.5)) > 1e-2
+
+
 GATED_FAMILIES = {"deepseek_v4": "limit", "hy_v4": "swiglu_limit", "beam": None, "lfm2_moe": None, "aria_text": None}
 
 
@@ -633,6 +662,38 @@ def test_compiled_tiny_mixtral_matches_eager(dev, monkeypatch):
         assert len(calls) == 3 * cfg.num_hidden_layers  # flce's experts ran in every layer of every step
     finally:
         torch._dynamo.reset()
+
+
+def test_compiled_family_with_its_own_gate_matches_eager(monkeypatch):
+    """torch.compile (aot_eager, CPU) of a tiny DeepSeek-V4 on flce's experts, its gate check made under the
+    compiler (compiler-disabled: run eagerly, once): the step equals the model's own eager experts."""
+    hf_zoo = pytest.importorskip("hf_zoo")
+    if "deepseek_v4" not in hf_zoo.ZOO:
+        pytest.skip(f"transformers {transformers.__version__} has no deepseek_v4")
+    import copy
+
+    monkeypatch.setattr(fx, "_GATES_CHECKED", {})
+    calls = []
+    monkeypatch.setattr(fx, "experts_forward", lambda *a, **k: calls.append(1) or flce.experts_forward(*a, **k))
+    model = hf_zoo.build("deepseek_v4").train()
+    reference = copy.deepcopy(model)
+    reference.set_experts_implementation("eager")
+    model.set_experts_implementation("flce")
+    inputs = hf_zoo.zoo_batch(model, "deepseek_v4")
+    torch._dynamo.reset()
+    try:
+        want, want_grads = hf_zoo.train_step(reference, inputs)
+        got, got_grads = hf_zoo.train_step(torch.compile(model, backend="aot_eager"), inputs)
+    finally:
+        torch._dynamo.reset()
+    assert calls and fx._GATES_CHECKED  # flce's experts ran, after the gate check
+    assert_close(got.loss, want.loss, 1e-5, "loss")
+    got_grads = {name.removeprefix("_orig_mod."): grad for name, grad in got_grads.items()}
+    for name in got_grads.keys() - want_grads.keys():  # the compiled graph gives zeros where eager gives None
+        assert not got_grads[name].any(), name
+    scale = max(g.norm().item() for g in want_grads.values())  # a near-zero gradient (hash-routed layers' gates)
+    for name, want_grad in want_grads.items():  # is judged on the model's scale, as the zoo's verdicts do
+        assert hf_zoo._close(got_grads[name], want_grad, 1e-4, 1e-3 * scale), name
 
 
 def test_timing_rounds_interleave_candidates_and_drop_failures(monkeypatch):

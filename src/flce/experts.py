@@ -41,6 +41,7 @@ from torch.autograd.function import once_differentiable
 
 from .import_hooks import compile_disabled, when_imported
 from .kernels.experts_dispatch import elementwise_ops, resolve_elementwise, rows_mm, wgrad_mm
+from .kernels.experts_torch import swiglu_torch
 
 BACKEND_NAME = "flce"
 
@@ -238,12 +239,13 @@ def computes_experts(experts: torch.nn.Module) -> bool:
     form = _gate_form(experts)
     if form is None or not (form.silu_in_code or _is_silu(getattr(experts, "act_fn", None))):
         return False
-    if form.limit_attr is not None:
-        limit = getattr(experts, form.limit_attr, None)
-        try:
-            _check_limit(limit)
-        except ValueError:
-            return False
+    limit = getattr(experts, form.limit_attr, None) if form.limit_attr else None
+    try:
+        _check_limit(limit)
+    except ValueError:
+        return False
+    if _own_gate(experts) and not _gate_agrees(experts, limit):
+        return False
     gate_up, down = _standard_layout(experts)
     return (gate_up.dim() == 3 and down.dim() == 3
             and tuple(down.shape) == (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2))
@@ -258,13 +260,41 @@ def _standard_layout(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tens
     return gate_up, down
 
 
+def _own_gate(experts: torch.nn.Module) -> bool:
+    """Whether the class applies its gate by its own ``_apply_gate`` rather than transformers' default."""
+    gate = getattr(type(experts), "_apply_gate", None)
+    return gate is not None and gate.__name__ != "_default_apply_gate"
+
+
 def _gate_form(experts: torch.nn.Module) -> GateForm | None:
     """transformers' default gate: GateForm(); a class's own gate: its GATE_FORMS entry, or None."""
-    custom_gate = getattr(type(experts), "_apply_gate", None)
-    if custom_gate is None or custom_gate.__name__ == "_default_apply_gate":
+    if not _own_gate(experts):
         return GateForm()
     owner = next((c for c in type(experts).__mro__ if "_apply_gate" in c.__dict__), None)
     return GATE_FORMS.get(owner.__name__) if owner is not None else None
+
+
+_GATES_CHECKED: dict[tuple[type, float | None], bool] = {}
+
+
+@compile_disabled  # a check on CPU tensors, once per class: never part of a compiled graph
+def _gate_agrees(experts: torch.nn.Module, limit: float | None) -> bool:
+    """Whether a class's own ``_apply_gate`` gives flce's SwiGLU (clamped at ``limit``) on values on both sides of
+    the limit, checked once per class and limit: a class whose gate changes under the same name (another
+    transformers) then falls back to its own implementation instead of being computed as something else."""
+    key = (type(experts), limit)
+    if key not in _GATES_CHECKED:
+        scale = 2.0 * (limit if limit is not None else 4.0)
+        probe = (torch.rand(4, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1) * scale  # (S, 2I)
+        with torch.no_grad():
+            try:
+                theirs = experts._apply_gate(probe)
+            except Exception:  # noqa: BLE001 - a gate that cannot run on a CPU float32 probe is not one flce knows
+                theirs = None
+            ours = swiglu_torch(probe, probe.new_zeros(1), limit)
+        _GATES_CHECKED[key] = (isinstance(theirs, torch.Tensor) and theirs.shape == ours.shape
+                               and torch.allclose(theirs.float(), ours, rtol=1e-5, atol=1e-6))
+    return _GATES_CHECKED[key]
 
 
 def _is_silu(act) -> bool:
