@@ -193,9 +193,13 @@ def _check(hidden, index, weights, gate_up, down) -> None:
 
 
 def _check_limit(limit) -> None:
-    number = isinstance(limit, (int, float)) and not isinstance(limit, bool)
-    if limit is not None and not (number and 0 < limit < float("inf")):
+    if not _valid_limit(limit):
         raise ValueError(f"swiglu_limit must be a positive finite number or None, got {limit!r}")
+
+
+def _valid_limit(limit) -> bool:
+    number = isinstance(limit, (int, float)) and not isinstance(limit, bool)
+    return limit is None or (number and 0 < limit < float("inf"))
 
 
 def _shapes(*tensors: torch.Tensor) -> str:
@@ -226,38 +230,35 @@ def computes_experts(experts: torch.nn.Module) -> bool:
     """Whether :func:`flce_experts_forward` computes this experts module itself (else it hands it to transformers'
     grouped_mm): Mixtral-style experts, concatenated gate/up (E, 2I, H), down (E, H, I) (or both stored transposed),
     no bias, a SiLU gate, applied by transformers' default gate or by a :data:`GATE_FORMS` class's own."""
+    return _operands(experts) is not None
+
+
+def _operands(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float | None] | None:
+    """(gate_up (E, 2I, H), down (E, H, I), swiglu_limit) that :func:`experts_forward` takes for this module, or
+    None where flce does not compute it; every check made once (a layer call's host path)."""
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
-        return False
+        return None
     variants = ("has_bias", "experts_are_transposed", "has_post_expert_norm")
     if any(getattr(experts, flag, False) for flag in variants):
-        return False
+        return None
     if not (getattr(experts, "has_gate", True) and getattr(experts, "is_concatenated", True)):
-        return False
+        return None
     if getattr(experts, "gate_up_proj_bias", None) is not None or getattr(experts, "down_proj_bias", None) is not None:
-        return False
-    form = _gate_form(experts)
+        return None
+    own_gate = _own_gate(experts)
+    form = _gate_form(experts) if own_gate else GateForm()
     if form is None or not (form.silu_in_code or _is_silu(getattr(experts, "act_fn", None))):
-        return False
+        return None
     limit = getattr(experts, form.limit_attr, None) if form.limit_attr else None
-    try:
-        _check_limit(limit)
-    except ValueError:
-        return False
-    if _own_gate(experts) and not _gate_agrees(experts, limit):
-        return False
-    gate_up, down = _standard_layout(experts)
-    return (gate_up.dim() == 3 and down.dim() == 3
-            and tuple(down.shape) == (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2))
-
-
-def _standard_layout(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up (E, 2I, H) and down (E, H, I): the parameters, or their transposed views where transformers' experts
-    decorator says they are stored transposed (``is_transposed``: (E, H, 2I) and (E, I, H), Aria's)."""
-    gate_up, down = experts.gate_up_proj, experts.down_proj
-    if getattr(experts, "is_transposed", False):
-        return gate_up.transpose(-1, -2), down.transpose(-1, -2)
-    return gate_up, down
+    if not _valid_limit(limit) or (own_gate and not _gate_agrees(experts, limit)):
+        return None
+    if getattr(experts, "is_transposed", False):  # stored (E, H, 2I) and (E, I, H): their transposed views
+        gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
+    if not (gate_up.dim() == 3 and down.dim() == 3
+            and tuple(down.shape) == (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2)):
+        return None
+    return gate_up, down, limit
 
 
 def _own_gate(experts: torch.nn.Module) -> bool:
@@ -267,9 +268,7 @@ def _own_gate(experts: torch.nn.Module) -> bool:
 
 
 def _gate_form(experts: torch.nn.Module) -> GateForm | None:
-    """transformers' default gate: GateForm(); a class's own gate: its GATE_FORMS entry, or None."""
-    if not _own_gate(experts):
-        return GateForm()
+    """The GATE_FORMS entry of the class that defines the module's own ``_apply_gate`` (None: not listed)."""
     owner = next((c for c in type(experts).__mro__ if "_apply_gate" in c.__dict__), None)
     return GATE_FORMS.get(owner.__name__) if owner is not None else None
 
@@ -312,12 +311,10 @@ def flce_experts_forward(
     Experts of another layout (a bias, another activation or gate) run transformers' ``grouped_mm`` backend (or
     the module's eager forward where that is missing).
     """
-    if computes_experts(self):
-        gate_up, down = _standard_layout(self)
-        limit_attr = _gate_form(self).limit_attr
-        if gate_up.shape[2] == hidden_states.shape[-1]:
-            return experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down,
-                                   swiglu_limit=getattr(self, limit_attr) if limit_attr else None)
+    operands = _operands(self)
+    if operands is not None and operands[0].shape[2] == hidden_states.shape[-1]:
+        gate_up, down, limit = operands
+        return experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down, swiglu_limit=limit)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     fallback = ALL_EXPERTS_FUNCTIONS.get("grouped_mm") or type(self).forward.__wrapped__
