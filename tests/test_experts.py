@@ -80,32 +80,25 @@ def loop_reference(x, ids, weights, gate_up, down, limit=None):
     return out, leaves
 
 
-def check(x, ids, weights, gate_up, down, tol, **kwargs):
+def check(x, ids, weights, gate_up, down, tol, stored_transposed=False, **kwargs):
+    """flce's experts against the float64 loop: output and every gradient. stored_transposed: both weights stored
+    (E, H, 2I) and (E, I, H) and passed as their transposed views; their gradients must come laid out as stored
+    (contiguous: no copy into them)."""
+    leaves = (x, weights, gate_up, down)
+    if stored_transposed:
+        leaves = (x, weights, *(w.detach().transpose(1, 2).contiguous().requires_grad_() for w in (gate_up, down)))
+        gate_up, down = (w.transpose(1, 2) for w in leaves[2:])
     out = flce.experts_forward(x, ids, weights, gate_up, down, **kwargs)
-    ref, leaves = loop_reference(x, ids, weights, gate_up, down, kwargs.get("swiglu_limit"))
+    ref, ref_leaves = loop_reference(x, ids, weights, gate_up, down, kwargs.get("swiglu_limit"))
     assert out.shape == x.shape and out.dtype == x.dtype
     assert_close(out, ref, tol, "output")
     grad = torch.randn_like(ref)
-    got = torch.autograd.grad(out, (x, weights, gate_up, down), grad.to(out.dtype))
-    want = torch.autograd.grad(ref, leaves, grad)
-    for name, g, w, leaf in zip(("x", "weights", "gate_up", "down"), got, want, (x, weights, gate_up, down)):
-        assert g.dtype == leaf.dtype and g.shape == leaf.shape, name
-        assert_close(g, w, tol, f"grad {name}")
-
-
-def check_transposed(x, ids, weights, gate_up, down, tol, **kwargs):
-    """:func:`check` with both weights stored transposed ((E, H, 2I), (E, I, H)) and passed as their transposed views:
-    the gradients must also come laid out as the stored weights (contiguous: no copy into them)."""
-    stored = [w.detach().transpose(1, 2).contiguous().requires_grad_() for w in (gate_up, down)]
-    out = flce.experts_forward(x, ids, weights, stored[0].transpose(1, 2), stored[1].transpose(1, 2), **kwargs)
-    ref, leaves = loop_reference(x, ids, weights, gate_up, down)
-    assert_close(out, ref, tol, "output")
-    grad = torch.randn_like(ref)
-    got = torch.autograd.grad(out, (x, weights, *stored), grad.to(out.dtype))
-    want = torch.autograd.grad(ref, leaves, grad)
-    want = (*want[:2], *(w.transpose(1, 2) for w in want[2:]))
-    for name, g, w in zip(("x", "weights", "gate_up", "down"), got, want):
-        assert g.shape == w.shape and g.is_contiguous(), name
+    got = torch.autograd.grad(out, leaves, grad.to(out.dtype))
+    want = torch.autograd.grad(ref, ref_leaves, grad)
+    if stored_transposed:
+        want = (*want[:2], *(w.transpose(1, 2) for w in want[2:]))
+    for name, g, w, leaf in zip(("x", "weights", "gate_up", "down"), got, want, leaves):
+        assert g.dtype == leaf.dtype and g.shape == leaf.shape and (g.is_contiguous() or not stored_transposed), name
         assert_close(g, w, tol, f"grad {name}")
 
 
@@ -136,7 +129,8 @@ def test_weights_stored_transposed(gemm, ew):
     """Weights stored (E, H, 2I) and (E, I, H) (transformers' ``is_transposed``, Aria's), passed as their transposed
     views: the float64 reference's results, and gradients laid out as the stored weights (no copy into them)."""
     device = KERNEL_DEVICE if ew == "triton" else "cpu"
-    check_transposed(*make_case(19, 16, 12, 4, 2, torch.float32, device), TOL[torch.float32], gemm=gemm, elementwise=ew)
+    check(*make_case(19, 16, 12, 4, 2, torch.float32, device), TOL[torch.float32], stored_transposed=True, gemm=gemm,
+          elementwise=ew)
 
 
 @settings(max_examples=25, deadline=None)
@@ -531,7 +525,8 @@ def test_gpu_paths_match_reference(gemm, case, top_k, limit):
 def test_gpu_weights_stored_transposed(gemm):
     if not _gpu_path_ok(gemm):
         pytest.skip(f"{gemm} unavailable on this GPU")
-    check_transposed(*make_case(300, 256, 512, 8, 2, torch.bfloat16, "cuda"), TOL[torch.bfloat16], gemm=gemm)
+    check(*make_case(300, 256, 512, 8, 2, torch.bfloat16, "cuda"), TOL[torch.bfloat16], stored_transposed=True,
+          gemm=gemm)
 
 
 @pytest.mark.gpu
