@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from conftest import capture_graph
@@ -64,40 +63,68 @@ def make_case(tokens, hidden, inter, experts, top_k, dtype, device, case="random
     return x, routing(case, tokens, top_k, experts, device), weights, gate_up, down
 
 
-def loop_reference(x, ids, weights, gate_up, down, limit=None):
-    """Float64 per-expert loop (transformers' eager algorithm, DeepSeek-V4's clamp with ``limit``); returns
-    (out, float64 leaves)."""
-    leaves = [t.detach().double().requires_grad_() for t in (x, weights, gate_up, down)]
-    x64, w64, gu64, d64 = leaves
+BIASES = ("gate_up_proj_bias", "down_proj_bias")
+GPT_OSS = dict(swiglu_limit=LIMIT, swiglu_alpha=1.702, swiglu_up_offset=1.0, interleaved=True)  # its gate's form
+
+
+def make_biases(gate_up, down, grid=False) -> dict:
+    """Per-expert biases of the two projections; with ``grid``, gate/up biases on make_case's grid (the
+    projections stay exact multiples of its step, off LIMIT)."""
+    experts, two_inter, _ = gate_up.shape
+    if grid:
+        step = gate_up.detach().abs().max()
+        gate_up_bias = (torch.randint(-2, 3, (experts, two_inter), device=gate_up.device) * step).to(gate_up.dtype)
+    else:
+        gate_up_bias = (torch.randn(experts, two_inter, device=gate_up.device) * 0.3).to(gate_up.dtype)
+    down_bias = (torch.randn(experts, down.shape[1], device=down.device) * 0.3).to(down.dtype)
+    return {"gate_up_proj_bias": gate_up_bias.requires_grad_(), "down_proj_bias": down_bias.requires_grad_()}
+
+
+def loop_reference(x, ids, weights, gate_up, down, swiglu_limit=None, swiglu_alpha=1.0, swiglu_up_offset=0.0,
+                   interleaved=False, gate_up_proj_bias=None, down_proj_bias=None):
+    """Float64 per-expert loop (transformers' eager algorithm, with the gate forms and biases experts_forward
+    takes); returns (out, float64 leaves: x, weights, gate_up, down and the biases given)."""
+    given = {k: b for k, b in (("gate_up", gate_up_proj_bias), ("down", down_proj_bias)) if b is not None}
+    leaves = [t.detach().double().requires_grad_() for t in (x, weights, gate_up, down, *given.values())]
+    x64, w64, gu64, d64 = leaves[:4]
+    bias64 = dict(zip(given, leaves[4:]))
+    b_gu, b_d = bias64.get("gate_up"), bias64.get("down")
     out = torch.zeros_like(x64)
     for e in range(gu64.shape[0]):
         tok, choice = torch.where(ids == e)
-        gate, up = (x64[tok] @ gu64[e].T).chunk(2, dim=-1)
-        if limit is not None:
-            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-        y = (F.silu(gate) * up) @ d64[e].T
+        h = x64[tok] @ gu64[e].T + (b_gu[e] if b_gu is not None else 0)
+        gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)
+        if swiglu_limit is not None:
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+        act = gate * torch.sigmoid(swiglu_alpha * gate) * (up + swiglu_up_offset)
+        y = act @ d64[e].T + (b_d[e] if b_d is not None else 0)
         out = out.index_add(0, tok, y * w64[tok, choice, None])
     return out, leaves
 
 
 def check(x, ids, weights, gate_up, down, tol, stored_transposed=False, **kwargs):
-    """flce's experts against the float64 loop: output and every gradient. stored_transposed: both weights stored
-    (E, H, 2I) and (E, I, H) and passed as their transposed views; their gradients must come laid out as stored
-    (contiguous: no copy into them)."""
-    leaves = (x, weights, gate_up, down)
+    """flce's experts against the float64 loop: output and every gradient (biases too, when passed). stored_transposed:
+    both weights stored (E, H, 2I) and (E, I, H) and passed as their transposed views; their gradients must come
+    laid out as stored (contiguous: no copy into them)."""
+    biases = {name: kwargs[name] for name in BIASES if kwargs.get(name) is not None}
+    leaves = (x, weights, gate_up, down, *biases.values())
     if stored_transposed:
-        leaves = (x, weights, *(w.detach().transpose(1, 2).contiguous().requires_grad_() for w in (gate_up, down)))
-        gate_up, down = (w.transpose(1, 2) for w in leaves[2:])
+        stored = [w.detach().transpose(1, 2).contiguous().requires_grad_() for w in (gate_up, down)]
+        leaves = (x, weights, *stored, *biases.values())
+        gate_up, down = (w.transpose(1, 2) for w in stored)
     out = flce.experts_forward(x, ids, weights, gate_up, down, **kwargs)
-    ref, ref_leaves = loop_reference(x, ids, weights, gate_up, down, kwargs.get("swiglu_limit"))
+    form = {k: v for k, v in kwargs.items() if k not in ("gemm", "elementwise")}
+    ref, ref_leaves = loop_reference(x, ids, weights, gate_up, down, **form)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert_close(out, ref, tol, "output")
     grad = torch.randn_like(ref)
-    got = torch.autograd.grad(out, leaves, grad.to(out.dtype))
     want = torch.autograd.grad(ref, ref_leaves, grad)
     if stored_transposed:
-        want = (*want[:2], *(w.transpose(1, 2) for w in want[2:]))
-    for name, g, w, leaf in zip(("x", "weights", "gate_up", "down"), got, want, leaves):
+        want = (*want[:2], *(w.transpose(1, 2) for w in want[2:4]), *want[4:])
+    names = ("x", "weights", "gate_up", "down", *biases)
+    names, want, leaves = zip(*[(n, w, leaf) for n, w, leaf in zip(names, want, leaves) if leaf.requires_grad])
+    got = torch.autograd.grad(out, leaves, grad.to(out.dtype))
+    for name, g, w, leaf in zip(names, got, want, leaves):
         assert g.dtype == leaf.dtype and g.shape == leaf.shape and (g.is_contiguous() or not stored_transposed), name
         assert_close(g, w, tol, f"grad {name}")
 
@@ -113,6 +140,37 @@ CASES = ["random", "empty_expert", "one_expert", "dropped"]
 def test_loop_path_matches_float64_reference(case, top_k, limit):
     check(*make_case(23, 12, 10, 4, top_k, torch.float64, "cpu", case, grid=limit is not None), TOL[torch.float64],
           gemm="loop", elementwise="torch", swiglu_limit=limit)
+
+
+FORMS = {  # gate forms and biases beyond SwiGLU: (experts_forward's keywords, with biases)
+    "gpt_oss": (GPT_OSS, True),
+    "gpt_oss_concatenated": ({**GPT_OSS, "interleaved": False}, True),  # MiniMax-M3, OpenAI's privacy filter
+    "biases": ({}, True),
+    "alpha_offset": ({"swiglu_alpha": 0.75, "swiglu_up_offset": -0.5}, False),
+    "interleaved": ({"interleaved": True}, False),
+}
+
+
+def form_case(form, tokens, hidden, inter, experts, top_k, dtype, device, case="random"):
+    """make_case's tensors and the form's keywords (biases made here; grid values where the form clamps)."""
+    kwargs, with_bias = FORMS[form]
+    x, ids, weights, gate_up, down = make_case(tokens, hidden, inter, experts, top_k, dtype, device, case,
+                                               grid="swiglu_limit" in kwargs)
+    if with_bias:
+        kwargs = {**kwargs, **make_biases(gate_up, down, grid="swiglu_limit" in kwargs)}
+    return (x, ids, weights, gate_up, down), kwargs
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("case", ["random", "dropped"])
+@pytest.mark.parametrize("gemm", ["loop", pytest.param("grouped_mm", marks=pytest.mark.skipif(
+    not HAS_GROUPED_MM, reason="torch has no grouped_mm"))])
+def test_gate_forms_and_biases_match_float64_reference(form, case, gemm):
+    """GPT-OSS's gate (clamped, alpha, up + 1, gate and up interleaved) and per-expert biases, each part alone too,
+    on the torch paths: output and every gradient, the biases' included (GPT-OSS's weights stored transposed)."""
+    dtype = torch.float64 if gemm == "loop" else torch.float32
+    tensors, kwargs = form_case(form, 23, 16, 12, 4, 2, dtype, "cpu", case)
+    check(*tensors, TOL[dtype], stored_transposed=form == "gpt_oss", gemm=gemm, elementwise="torch", **kwargs)
 
 
 @pytest.mark.skipif(not HAS_GROUPED_MM, reason="torch has no grouped_mm")
@@ -207,6 +265,18 @@ def test_triton_path_matches_float64_reference(gemm, dtype, case, top_k, sizes, 
     tokens, hidden, inter, experts = sizes
     check(*make_case(tokens, hidden, inter, experts, top_k, dtype, KERNEL_DEVICE, case, grid=limit is not None),
           TOL[dtype], gemm=gemm, elementwise="triton", swiglu_limit=limit)
+
+
+@pytest.mark.skipif(not TRITON, reason="triton cannot run here")
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("need_weights_grad", [True, False])
+def test_triton_gate_forms_and_biases_match_float64_reference(form, need_weights_grad):
+    """The Triton elementwise kernels with each gate form and the biases (interpreter on CPU): dropped pairs, a width
+    that is no power of two; without the routing weights' gradient, y is not kept (the combine's other branch)."""
+    tensors, kwargs = form_case(form, 11, 16, 10, 3, 2, torch.float32, KERNEL_DEVICE, "dropped")
+    if not need_weights_grad:
+        tensors[2].requires_grad_(False)
+    check(*tensors, TOL[torch.float32], gemm="triton", elementwise="triton", **kwargs)
 
 
 # ------------------------------------------------------------------------------------ transformers
@@ -315,14 +385,15 @@ def test_a_listed_gate_is_checked_against_flce_s_swiglu(monkeypatch):
     assert rel_err(got, flce.experts_forward(x, ids, weights, gate_up, down, swiglu_limit=0.5)) > 1e-2
 
 
-GATED_FAMILIES = {"deepseek_v4": "limit", "hy_v4": "swiglu_limit", "beam": None, "lfm2_moe": None, "aria_text": None}
+GATED_FAMILIES = {"deepseek_v4": "limit", "hy_v4": "swiglu_limit", "beam": None, "lfm2_moe": None, "aria_text": None,
+                  "gpt_oss": "limit", "minimax_m3_vl_text": "swiglu_limit"}
 
 
 @pytest.mark.parametrize("model_type", sorted(GATED_FAMILIES))
 def test_families_with_their_own_gate_match_their_experts(model_type, monkeypatch):
-    """The experts of families whose gate flce's SwiGLU computes (a clamp, SwiGLU in float32, F.silu) or that
-    store their weights transposed (Aria) run on flce and match the class's own forward, the clamp set low enough
-    to bite."""
+    """The experts of families whose gate flce computes (a clamp, SwiGLU in float32, F.silu, GPT-OSS's gate and
+    biases) or that store their weights transposed (Aria) run on flce and match the class's own forward, the clamp
+    set low enough to bite and biases made non-zero."""
     hf_zoo = pytest.importorskip("hf_zoo")
     if model_type not in hf_zoo.ZOO:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
@@ -331,6 +402,12 @@ def test_families_with_their_own_gate_match_their_experts(model_type, monkeypatc
     limit_attr = GATED_FAMILIES[model_type]
     if limit_attr:
         setattr(module, limit_attr, 0.05)  # the tiny projections are ~0.1
+    params = [module.gate_up_proj, module.down_proj]
+    if getattr(module, "has_bias", False):
+        params += [module.gate_up_proj_bias, module.down_proj_bias]
+        with torch.no_grad():
+            for bias in params[2:]:
+                bias.normal_(0.0, 0.05)
     experts, hidden = module.gate_up_proj.shape[0], model.get_input_embeddings().embedding_dim
     x = torch.randn(13, hidden)
     ids = routing("random", 13, 2, experts)
@@ -342,10 +419,28 @@ def test_families_with_their_own_gate_match_their_experts(model_type, monkeypatc
         model.set_experts_implementation(impl)
         xi = x.clone().requires_grad_()
         out = module(xi, ids, weights)
-        results.append((out, *torch.autograd.grad(out.square().sum(), (xi, module.gate_up_proj, module.down_proj))))
+        results.append((out, *torch.autograd.grad(out.square().sum(), (xi, *params))))
     assert calls and calls[0]["swiglu_limit"] == (0.05 if limit_attr else None)
-    for name, got, want in zip(("output", "grad x", "grad gate_up", "grad down"), results[1], results[0]):
+    names = ("output", "grad x", "grad gate_up", "grad down", "grad gate_up bias", "grad down bias")
+    for name, got, want in zip(names, results[1], results[0]):
         assert_close(got, want, 1e-5, f"{model_type} {name}")
+
+
+def test_gpt_oss_flags_decide_the_layout_and_biases():
+    """GPT-OSS's experts are computed from what the module says: a gate that interleaves under a class flagged
+    concatenated, or biases flagged but missing, fall back instead of being computed wrongly."""
+    hf_zoo = pytest.importorskip("hf_zoo")
+    if "gpt_oss" not in hf_zoo.ZOO:
+        pytest.skip(f"transformers {transformers.__version__} has no gpt_oss")
+    module = next(m for m in hf_zoo.build("gpt_oss").modules() if type(m).__name__ == "GptOssExperts")
+    operands = fx._operands(module)
+    assert operands.glu.interleaved and operands.gate_up_bias is module.gate_up_proj_bias
+    assert operands.gate_up.shape == module.gate_up_proj.transpose(1, 2).shape  # stored (E, H, 2I)
+    module.is_concatenated = True
+    assert not fx.computes_experts(module)
+    module.is_concatenated = False
+    module.down_proj_bias = None
+    assert not fx.computes_experts(module)
 
 
 def test_tiny_mixtral_loss_aux_loss_and_grads_match_eager(monkeypatch):
@@ -400,6 +495,12 @@ def test_route_pairs_sorts_stably_and_inverts():
     (lambda a: {**a, "gemm": "grouped_mm"}, ValueError),  # float64 has no grouped_mm
     (lambda a: {**a, "elementwise": "cuda"}, ValueError),
     *[(lambda a, v=v: {**a, "swiglu_limit": v}, ValueError) for v in (0.0, -1.0, float("inf"), float("nan"), True)],
+    *[(lambda a, v=v: {**a, "swiglu_alpha": v}, ValueError) for v in (float("nan"), float("inf"), None, True)],
+    (lambda a: {**a, "swiglu_up_offset": float("-inf")}, ValueError),
+    (lambda a: {**a, "interleaved": 1}, TypeError),
+    (lambda a: {**a, "gate_up_proj_bias": torch.zeros(3, 4, dtype=torch.float64)}, ValueError),  # (E, I), not 2I
+    (lambda a: {**a, "down_proj_bias": torch.zeros(3, 8, dtype=torch.int64)}, TypeError),
+    (lambda a: {**a, "down_proj_bias": torch.zeros(8, dtype=torch.float64)}, ValueError),
 ])
 def test_bad_input_raises_clear_errors(bad, error):
     x, ids, weights, gate_up, down = make_case(5, 8, 4, 3, 2, torch.float64, "cpu")
@@ -518,6 +619,16 @@ def test_gpu_paths_match_reference(gemm, case, top_k, limit):
         pytest.skip(f"{gemm} unavailable on this GPU")
     check(*make_case(300, 256, 512, 8, top_k, torch.bfloat16, "cuda", case, grid=limit is not None),
           TOL[torch.bfloat16], gemm=gemm, swiglu_limit=limit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemm", GPU_PATHS)
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_gpu_gate_forms_and_biases_match_reference(gemm, form):
+    if not _gpu_path_ok(gemm):
+        pytest.skip(f"{gemm} unavailable on this GPU")
+    tensors, kwargs = form_case(form, 300, 256, 512, 8, 2, torch.bfloat16, "cuda", "dropped")
+    check(*tensors, TOL[torch.bfloat16], stored_transposed=form.startswith("gpt_oss"), gemm=gemm, **kwargs)
 
 
 @pytest.mark.gpu

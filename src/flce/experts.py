@@ -33,6 +33,7 @@ call is a graph break and runs eagerly, as flce's fused loss does.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ from torch.autograd.function import once_differentiable
 
 from .import_hooks import compile_disabled, when_imported
 from .kernels.experts_dispatch import elementwise_ops, resolve_elementwise, rows_mm, wgrad_mm
-from .kernels.experts_torch import swiglu_torch
+from .kernels.experts_torch import Glu, swiglu_torch
 
 BACKEND_NAME = "flce"
 
@@ -52,12 +53,14 @@ class Routes:
 
     perm: (S,) int64, the pair in each sorted row. pos: (T, k) int64, the sorted row of each pair.
     offsets: (E + 1,) int32, expert e owns sorted rows [offsets[e], offsets[e + 1]); offsets[E] is the
-    number of rows in use (dropped pairs sit after it).
+    number of rows in use (dropped pairs sit after it). experts: (S,) int64, the expert of each sorted row (E for
+    a dropped pair).
     """
 
     perm: torch.Tensor
     pos: torch.Tensor
     offsets: torch.Tensor
+    experts: torch.Tensor
 
 
 def route_pairs(top_k_index: torch.Tensor, num_experts: int) -> Routes:
@@ -69,27 +72,30 @@ def route_pairs(top_k_index: torch.Tensor, num_experts: int) -> Routes:
     offsets = torch.searchsorted(sorted_keys, bounds, out_int32=True)
     rows = torch.arange(perm.numel(), device=ids.device)
     pos = torch.empty_like(perm).scatter_(0, perm, rows)
-    return Routes(perm=perm, pos=pos.view(top_k_index.shape), offsets=offsets)
+    return Routes(perm=perm, pos=pos.view(top_k_index.shape), offsets=offsets, experts=sorted_keys)
 
 
 class ExpertsFunction(torch.autograd.Function):
-    """Inputs: hidden (T, H), gate_up (E, 2I, H), down (E, H, I), weights (T, k) contiguous, perm,
-    pos, offsets (see :class:`Routes`), the GEMMs' dtype, gemm path, elementwise ops, the SwiGLU's clamp
-    limit (None: none). Output: (T, H) in hidden's dtype; gradients in their inputs' dtypes."""
+    """Inputs: hidden (T, H), gate_up (E, 2I, H), down (E, H, I), weights (T, k) contiguous, gate_up_bias (E, 2I)
+    and down_bias (E, H) or None, then :class:`Routes`' perm, pos, offsets and experts, the GEMMs' dtype, gemm path,
+    elementwise ops and the :class:`Glu`. Output: (T, H) in hidden's dtype; gradients in their inputs' dtypes."""
 
     @staticmethod
-    def forward(ctx, hidden, gate_up_param, down_param, weights, perm, pos, offsets, dtype, gemm, ops, limit):
+    def forward(ctx, hidden, gate_up_param, down_param, weights, gate_up_bias, down_bias, perm, pos, offsets,
+                row_experts, dtype, gemm, ops, glu):
         n_valid = offsets[-1:]
         with torch.autocast(hidden.device.type, enabled=False):
             gate_up, down = gate_up_param.to(dtype), down_param.to(dtype)  # copies only under autocast
             xs = hidden.to(dtype).index_select(0, perm // pos.shape[1])
             h = rows_mm(xs, gate_up.transpose(1, 2), offsets, gemm)
-            y = rows_mm(ops["swiglu"](h, n_valid, limit), down.transpose(1, 2), offsets, gemm)
-            out = ops["combine"](y, pos, weights, n_valid, hidden.dtype)
-        need_x, need_gate_up, need_down, need_weights = ctx.needs_input_grad[:4]
-        ctx.save_for_backward(xs if need_gate_up else None, h if need_x or need_gate_up or need_down else None,
-                              y if need_weights else None, gate_up, down, weights, perm, pos, offsets)
-        ctx.gemm, ctx.ops, ctx.limit = gemm, ops, limit
+            a = ops["swiglu"](h, n_valid, glu, gate_up_bias, row_experts)
+            y = rows_mm(a, down.transpose(1, 2), offsets, gemm)
+            out = ops["combine"](y, pos, weights, n_valid, hidden.dtype, down_bias, row_experts)
+        need_x, need_gate_up, need_down, need_weights, need_gate_up_bias = ctx.needs_input_grad[:5]
+        need_h = need_x or need_gate_up or need_down or need_gate_up_bias
+        ctx.save_for_backward(xs if need_gate_up else None, h if need_h else None, y if need_weights else None,
+                              gate_up, down, weights, gate_up_bias, down_bias, perm, pos, offsets, row_experts)
+        ctx.gemm, ctx.ops, ctx.glu = gemm, ops, glu
         ctx.transposed = _stored_transposed(gate_up_param), _stored_transposed(down_param)
         ctx.hidden_dtype, ctx.param_dtype = hidden.dtype, gate_up_param.dtype
         return out
@@ -97,23 +103,28 @@ class ExpertsFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        xs, h, y, gate_up, down, weights, perm, pos, offsets = ctx.saved_tensors
-        need_x, need_gate_up, need_down, need_weights = ctx.needs_input_grad[:4]
+        xs, h, y, gate_up, down, weights, gate_up_bias, down_bias, perm, pos, offsets, row_experts = ctx.saved_tensors
+        need_x, need_gate_up, need_down, need_weights, need_gate_up_bias, need_down_bias = ctx.needs_input_grad[:6]
         gemm, ops = ctx.gemm, ctx.ops
         n_valid = offsets[-1:]
-        dx = d_gate_up = d_down = None
+        dx = d_gate_up = d_down = d_gate_up_bias = d_down_bias = None
         with torch.autocast(grad_out.device.type, enabled=False):
             dy, dw = ops["combine_backward"](grad_out.contiguous(), y if need_weights else None, perm, weights,
-                                             n_valid, gate_up.dtype)
-            if need_x or need_gate_up or need_down:
-                dh, a = ops["swiglu_backward"](h, rows_mm(dy, down, offsets, gemm), n_valid, ctx.limit)
+                                             n_valid, gate_up.dtype, down_bias, row_experts)
+            if need_down_bias:
+                d_down_bias = ops["expert_sums"](dy, offsets, row_experts).to(down_bias.dtype)
+            if need_x or need_gate_up or need_down or need_gate_up_bias:
+                dh, a = ops["swiglu_backward"](h, rows_mm(dy, down, offsets, gemm), n_valid, ctx.glu, gate_up_bias,
+                                               row_experts)
                 gate_up_t, down_t = ctx.transposed
                 d_down = _wgrad(dy, a, offsets, gemm, down_t).to(ctx.param_dtype) if need_down else None
                 del dy, a
+                if need_gate_up_bias:
+                    d_gate_up_bias = ops["expert_sums"](dh, offsets, row_experts).to(gate_up_bias.dtype)
                 d_gate_up = _wgrad(dh, xs, offsets, gemm, gate_up_t).to(ctx.param_dtype) if need_gate_up else None
                 if need_x:
                     dx = ops["combine"](rows_mm(dh, gate_up, offsets, gemm), pos, None, n_valid, ctx.hidden_dtype)
-        return dx, d_gate_up, d_down, dw, None, None, None, None, None, None, None
+        return dx, d_gate_up, d_down, dw, d_gate_up_bias, d_down_bias, *([None] * 8)
 
 
 def _stored_transposed(weight: torch.Tensor) -> bool:
@@ -138,8 +149,14 @@ def experts_forward(
     gemm: str | None = None,
     elementwise: str = "auto",
     swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.0,
+    swiglu_up_offset: float = 0.0,
+    interleaved: bool = False,
+    gate_up_proj_bias: torch.Tensor | None = None,
+    down_proj_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SwiGLU mixture of experts: ``sum_j w[t, j] * down[e] @ (silu(gate[e] @ x_t) * (up[e] @ x_t))``.
+    """SwiGLU mixture of experts: ``sum_j w[t, j] * down[e] @ (silu(gate[e] @ x_t) * (up[e] @ x_t))``, and the
+    variants transformers' MoE families use (a clamp, GPT-OSS's gate, biases).
 
     Args:
         hidden_states: (T, H).
@@ -152,20 +169,49 @@ def experts_forward(
             or "loop", see :mod:`flce.kernels.experts_dispatch`.
         elementwise: "auto", "triton" or "torch" for the SwiGLU and combine kernels.
         swiglu_limit: clamp the gate projection to at most this and the up projection to [-limit, limit]
-            before the SwiGLU (DeepSeek-V4's and Hunyuan-V4's ``swiglu_limit``); None: no clamp.
+            before the SwiGLU (DeepSeek-V4's, Hunyuan-V4's and GPT-OSS's ``swiglu_limit``); None: no clamp.
+        swiglu_alpha, swiglu_up_offset: the gate computes ``g * sigmoid(alpha * g) * (up + up_offset)``
+            (GPT-OSS: 1.702 and 1; the defaults are SwiGLU's).
+        interleaved: gate and up rows of gate_up_proj alternate (GPT-OSS's layout) instead of gate rows first.
+        gate_up_proj_bias: (E, 2I), down_proj_bias: (E, H): per-expert biases of the two projections, or None.
     Returns:
         (T, H) in hidden_states' dtype.
     """
     _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
-    _check_limit(swiglu_limit)
+    glu = _glu(swiglu_limit, swiglu_alpha, swiglu_up_offset, interleaved)
+    biases = [_checked_bias(name, bias, rows, gate_up_proj) for name, bias, rows in (
+        ("gate_up_proj_bias", gate_up_proj_bias, gate_up_proj.shape[1]),
+        ("down_proj_bias", down_proj_bias, down_proj.shape[1]))]
     gemm = gemm if gemm is not None else os.environ.get("FLCE_EXPERTS_GEMM", "auto")
     device = hidden_states.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else gate_up_proj.dtype
     ops = elementwise_ops(resolve_elementwise(elementwise, device, dtype))
     routes = route_pairs(top_k_index, gate_up_proj.shape[0])
-    return ExpertsFunction.apply(hidden_states, gate_up_proj, down_proj, top_k_weights.contiguous(),
-                                 routes.perm, routes.pos, routes.offsets, dtype, gemm, ops,
-                                 None if swiglu_limit is None else float(swiglu_limit))
+    return ExpertsFunction.apply(hidden_states, gate_up_proj, down_proj, top_k_weights.contiguous(), *biases,
+                                 routes.perm, routes.pos, routes.offsets, routes.experts, dtype, gemm, ops, glu)
+
+
+def _glu(limit, alpha, up_offset, interleaved) -> Glu:
+    if not _valid_limit(limit):
+        raise ValueError(f"swiglu_limit must be a positive finite number or None, got {limit!r}")
+    for name, value in (("swiglu_alpha", alpha), ("swiglu_up_offset", up_offset)):
+        if not _finite_number(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {interleaved!r}")
+    return Glu(None if limit is None else float(limit), float(alpha), float(up_offset), interleaved)
+
+
+def _checked_bias(name: str, bias: torch.Tensor | None, width: int, gate_up: torch.Tensor) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+        raise TypeError(f"{name} must be a floating point tensor or None, got {getattr(bias, 'dtype', type(bias))}")
+    if tuple(bias.shape) != (gate_up.shape[0], width):
+        raise ValueError(f"{name} must be (E, {width}) = {(gate_up.shape[0], width)}, got {tuple(bias.shape)}")
+    if bias.device != gate_up.device:
+        raise ValueError(f"{name} is on {bias.device}, the weights on {gate_up.device}")
+    return bias.contiguous()  # the kernels read rows with unit column stride
 
 
 def _check(hidden, index, weights, gate_up, down) -> None:
@@ -192,14 +238,12 @@ def _check(hidden, index, weights, gate_up, down) -> None:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def _check_limit(limit) -> None:
-    if not _valid_limit(limit):
-        raise ValueError(f"swiglu_limit must be a positive finite number or None, got {limit!r}")
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _valid_limit(limit) -> bool:
-    number = isinstance(limit, (int, float)) and not isinstance(limit, bool)
-    return limit is None or (number and 0 < limit < float("inf"))
+    return limit is None or (_finite_number(limit) and limit > 0)
 
 
 def _shapes(*tensors: torch.Tensor) -> str:
@@ -210,55 +254,96 @@ def _shapes(*tensors: torch.Tensor) -> str:
 
 @dataclass(frozen=True)
 class GateForm:
-    """An experts class whose own ``_apply_gate`` flce's SwiGLU computes: the attribute holding its clamp limit
-    (None: no clamp), and whether the gate is SiLU by its code (else its ``act_fn`` must be SiLU)."""
+    """An experts class whose own ``_apply_gate`` flce computes: the attributes holding its clamp limit and its
+    alpha (None: no clamp, alpha 1), the offset added to the up projection, and whether the activation is written
+    in its code (else its ``act_fn`` must be SiLU). Gate and up alternate where the class is not
+    ``is_concatenated``."""
 
     limit_attr: str | None = None
-    silu_in_code: bool = False
+    alpha_attr: str | None = None
+    up_offset: float = 0.0
+    activation_in_code: bool = False
 
 
-# The ``_apply_gate`` overrides that are flce's SwiGLU, by class name (a new one is an entry; the zoo's verdicts
-# compare each family's training step on flce's experts with its own):
+_GPT_OSS = GateForm(limit_attr="limit", alpha_attr="alpha", up_offset=1.0, activation_in_code=True)
+
+# The ``_apply_gate`` overrides flce computes, by class name (a new one is an entry; each is checked numerically at
+# first use, and the zoo's verdicts compare each family's training step on flce's experts with its own):
 GATE_FORMS = {
     "DeepseekV4Experts": GateForm(limit_attr="limit"),  # gate.clamp(max=L), up.clamp(-L, L), act_fn(gate) * up
-    "HYV4Experts": GateForm(limit_attr="swiglu_limit", silu_in_code=True),  # the same with F.silu
+    "HYV4Experts": GateForm(limit_attr="swiglu_limit", activation_in_code=True),  # the same with F.silu
     "BeamExperts": GateForm(),  # act_fn(gate) * up in float32, rounded once: as flce's kernels compute it
+    "GptOssExperts": _GPT_OSS,  # clamped, g * sigmoid(alpha * g) * (up + 1), interleaved, biases
+    "OpenAIPrivacyFilterExperts": _GPT_OSS,  # the same, concatenated
+    "MiniMaxM3VLExperts": GateForm(limit_attr="swiglu_limit", alpha_attr="swiglu_alpha", up_offset=1.0,
+                                   activation_in_code=True),  # the same, concatenated, no bias
 }
+
+
+@dataclass(frozen=True)
+class Operands:
+    """What :func:`experts_forward` takes for a transformers experts module: gate_up (E, 2I, H), down (E, H, I),
+    their biases ((E, 2I), (E, H) or None) and the gate."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    glu: Glu
 
 
 def computes_experts(experts: torch.nn.Module) -> bool:
     """Whether :func:`flce_experts_forward` computes this experts module itself (else it hands it to transformers'
-    grouped_mm): Mixtral-style experts, concatenated gate/up (E, 2I, H), down (E, H, I) (or both stored transposed),
-    no bias, a SiLU gate, applied by transformers' default gate or by a :data:`GATE_FORMS` class's own."""
+    grouped_mm): gate/up (E, 2I, H) and down (E, H, I) (or both stored transposed), optional biases, a SiLU gate
+    applied by transformers' default gate, or a :data:`GATE_FORMS` class's own gate."""
     return _operands(experts) is not None
 
 
-def _operands(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float | None] | None:
-    """(gate_up (E, 2I, H), down (E, H, I), swiglu_limit) that :func:`experts_forward` takes for this module, or
-    None where flce does not compute it; every check made once (a layer call's host path)."""
+def _operands(experts: torch.nn.Module) -> Operands | None:
+    """The :class:`Operands` of this module, or None where flce does not compute it; every check made once (a
+    layer call's host path)."""
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
         return None
-    variants = ("has_bias", "experts_are_transposed", "has_post_expert_norm")
-    if any(getattr(experts, flag, False) for flag in variants):
+    if getattr(experts, "experts_are_transposed", False) or getattr(experts, "has_post_expert_norm", False):
         return None
-    if not (getattr(experts, "has_gate", True) and getattr(experts, "is_concatenated", True)):
+    if not getattr(experts, "has_gate", True):
         return None
-    if getattr(experts, "gate_up_proj_bias", None) is not None or getattr(experts, "down_proj_bias", None) is not None:
-        return None
-    own_gate = _own_gate(experts)
-    form = _gate_form(experts) if own_gate else GateForm()
-    if form is None or not (form.silu_in_code or _is_silu(getattr(experts, "act_fn", None))):
-        return None
-    limit = getattr(experts, form.limit_attr, None) if form.limit_attr else None
-    if not _valid_limit(limit) or (own_gate and not _gate_agrees(experts, limit)):
+    biases = _biases(experts)
+    glu = _module_glu(experts)
+    if biases is None or glu is None:
         return None
     if getattr(experts, "is_transposed", False):  # stored (E, H, 2I) and (E, I, H): their transposed views
         gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
-    if not (gate_up.dim() == 3 and down.dim() == 3
-            and tuple(down.shape) == (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2)):
+    num_experts, two_inter, hidden = gate_up.shape if gate_up.dim() == 3 else (0, 1, 0)
+    if not (two_inter % 2 == 0 and down.dim() == 3 and tuple(down.shape) == (num_experts, hidden, two_inter // 2)
+            and all(b is None or tuple(b.shape) == (num_experts, n) for b, n in zip(biases, (two_inter, hidden)))):
         return None
-    return gate_up, down, limit
+    return Operands(gate_up, down, *biases, glu)
+
+
+def _biases(experts: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """(gate_up_proj_bias, down_proj_bias) where the class has biases (both tensors), (None, None) where it has
+    none; None for anything else."""
+    biases = getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None)
+    if not getattr(experts, "has_bias", False):
+        return (None, None) if biases == (None, None) else None
+    return biases if all(isinstance(b, torch.Tensor) and b.dim() == 2 for b in biases) else None
+
+
+def _module_glu(experts: torch.nn.Module) -> Glu | None:
+    """The :class:`Glu` the module's gate computes (checked on a probe for a class's own gate), or None."""
+    if not _own_gate(experts):  # transformers' default: act_fn(gate) * up of the two halves
+        return Glu() if _is_silu(getattr(experts, "act_fn", None)) else None
+    form = _gate_form(experts)
+    if form is None or not (form.activation_in_code or _is_silu(getattr(experts, "act_fn", None))):
+        return None
+    limit = getattr(experts, form.limit_attr, None) if form.limit_attr else None
+    alpha = getattr(experts, form.alpha_attr, None) if form.alpha_attr else 1.0
+    if not (_valid_limit(limit) and _finite_number(alpha)):
+        return None
+    glu = Glu(limit, float(alpha), form.up_offset, not getattr(experts, "is_concatenated", True))
+    return glu if _gate_agrees(experts, glu) else None
 
 
 def _own_gate(experts: torch.nn.Module) -> bool:
@@ -273,24 +358,24 @@ def _gate_form(experts: torch.nn.Module) -> GateForm | None:
     return GATE_FORMS.get(owner.__name__) if owner is not None else None
 
 
-_GATES_CHECKED: dict[tuple[type, float | None], bool] = {}
+_GATES_CHECKED: dict[tuple[type, Glu], bool] = {}
 
 
 @compile_disabled  # a check on CPU tensors, once per class: never part of a compiled graph
-def _gate_agrees(experts: torch.nn.Module, limit: float | None) -> bool:
-    """Whether a class's own ``_apply_gate`` gives flce's SwiGLU (clamped at ``limit``) on values on both sides of
-    the limit, checked once per class and limit: a class whose gate changes under the same name (another
-    transformers) then falls back to its own implementation instead of being computed as something else."""
-    key = (type(experts), limit)
+def _gate_agrees(experts: torch.nn.Module, glu: Glu) -> bool:
+    """Whether a class's own ``_apply_gate`` gives ``glu`` on values on both sides of its limit, checked once per
+    class and form: a class whose gate changes under the same name (another transformers) then falls back to its
+    own implementation instead of being computed as something else."""
+    key = (type(experts), glu)
     if key not in _GATES_CHECKED:
-        scale = 2.0 * (limit if limit is not None else 4.0)
+        scale = 2.0 * (glu.limit if glu.limit is not None else 4.0)
         probe = (torch.rand(4, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1) * scale  # (S, 2I)
         with torch.no_grad():
             try:
                 theirs = experts._apply_gate(probe)
             except Exception:  # noqa: BLE001 - a gate that cannot run on a CPU float32 probe is not one flce knows
                 theirs = None
-            ours = swiglu_torch(probe, probe.new_zeros(1), limit)
+            ours = swiglu_torch(probe, probe.new_zeros(1), glu)
         _GATES_CHECKED[key] = (isinstance(theirs, torch.Tensor) and theirs.shape == ours.shape
                                and torch.allclose(theirs.float(), ours, rtol=1e-5, atol=1e-6))
     return _GATES_CHECKED[key]
@@ -308,13 +393,16 @@ def flce_experts_forward(
 ) -> torch.Tensor:
     """The ``ExpertsInterface`` entry: (T, H) hidden states, (T, k) ids and weights -> (T, H).
 
-    Experts of another layout (a bias, another activation or gate) run transformers' ``grouped_mm`` backend (or
-    the module's eager forward where that is missing).
+    Experts of another layout (another activation or gate, a post-expert norm) run transformers' ``grouped_mm``
+    backend (or the module's eager forward where that is missing).
     """
-    operands = _operands(self)
-    if operands is not None and operands[0].shape[2] == hidden_states.shape[-1]:
-        gate_up, down, limit = operands
-        return experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down, swiglu_limit=limit)
+    ops = _operands(self)
+    if ops is not None and ops.gate_up.shape[2] == hidden_states.shape[-1]:
+        glu = ops.glu
+        return experts_forward(hidden_states, top_k_index, top_k_weights, ops.gate_up, ops.down,
+                               swiglu_limit=glu.limit, swiglu_alpha=glu.alpha, swiglu_up_offset=glu.up_offset,
+                               interleaved=glu.interleaved, gate_up_proj_bias=ops.gate_up_bias,
+                               down_proj_bias=ops.down_bias)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     fallback = ALL_EXPERTS_FUNCTIONS.get("grouped_mm") or type(self).forward.__wrapped__

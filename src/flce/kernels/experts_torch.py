@@ -8,6 +8,8 @@ the device. Elementwise twins compute in float32 (float64 for float64 data).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -66,30 +68,27 @@ def grouped_wgrad_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) ->
     return _grouped_mm()(a.t(), b, offs=offsets[1:])
 
 
-def swiglu_torch(h: torch.Tensor, n_valid: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """silu(h[:, :I]) * h[:, I:] for h (S, 2I); returns (S, I). With ``limit``, the gate half is first clamped
-    to at most limit and the up half to [-limit, limit]. (``n_valid`` is the Triton twin's row limit; here every
-    row is computed, rows past it being don't-cares.)"""
-    gate, up = _clamped(*h.to(_acc_dtype(h.dtype)).chunk(2, dim=-1), limit)
-    return (F.silu(gate) * up).to(h.dtype)
+@dataclass(frozen=True)
+class Glu:
+    """The gated activation ``act(gate) * (up + up_offset)``, ``act(g) = g * sigmoid(alpha * g)`` (SiLU at alpha 1),
+    of the two halves of the gate/up projection h (S, 2I): gate columns first (``interleaved``: gate and up
+    alternating, GPT-OSS's layout). With ``limit`` the gate is first clamped to at most limit and the up projection
+    to [-limit, limit] (DeepSeek-V4's ``swiglu_limit``; GPT-OSS's with alpha 1.702 and up_offset 1)."""
+
+    limit: float | None = None
+    alpha: float = 1.0
+    up_offset: float = 0.0
+    interleaved: bool = False
 
 
-def swiglu_backward_torch(h: torch.Tensor, da: torch.Tensor, n_valid: torch.Tensor,
-                          limit: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dh (S, 2I), a (S, I)) from h (S, 2I) and da (S, I); ``a`` is written over ``da``."""
-    acc = _acc_dtype(h.dtype)
-    gate_in, up_in = h.to(acc).chunk(2, dim=-1)
-    gate, up = _clamped(gate_in, up_in, limit)
-    grad = da.to(acc)
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    d_gate, d_up = grad * up * sig * (1 + gate * (1 - sig)), grad * silu
-    if limit is not None:  # a clamped input gets no gradient (torch's clamp passes it where min <= x <= max)
-        d_gate = torch.where(gate_in <= limit, d_gate, 0.0)
-        d_up = torch.where((up_in >= -limit) & (up_in <= limit), d_up, 0.0)
-    dh = torch.cat([d_gate, d_up], dim=-1).to(h.dtype)
-    da.copy_(silu * up)
-    return dh, da
+SWIGLU = Glu()
+
+
+def _gate_up(h: torch.Tensor, glu: Glu, bias: torch.Tensor | None,
+             row_experts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (gate, up) halves of h in float32 (float64 for float64), plus each row's expert's bias."""
+    h = _biased(h.to(_acc_dtype(h.dtype)), bias, row_experts, None)
+    return (h[:, 0::2], h[:, 1::2]) if glu.interleaved else h.chunk(2, dim=-1)
 
 
 def _clamped(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,12 +97,51 @@ def _clamped(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> tuple
     return gate.clamp(max=limit), up.clamp(-limit, limit)
 
 
+def swiglu_torch(h: torch.Tensor, n_valid: torch.Tensor, glu: Glu = SWIGLU, bias: torch.Tensor | None = None,
+                 row_experts: torch.Tensor | None = None) -> torch.Tensor:
+    """:class:`Glu` of h (S, 2I) -> (S, I) in h's dtype. bias: (E, 2I) added to each row's expert's projection
+    (``row_experts`` (S,) int64, the expert of each row). (``n_valid`` is the Triton twin's row limit; here every
+    row is computed, rows past it being don't-cares.)"""
+    gate, up = _clamped(*_gate_up(h, glu, bias, row_experts), glu.limit)
+    return (gate * torch.sigmoid(glu.alpha * gate) * (up + glu.up_offset)).to(h.dtype)
+
+
+def swiglu_backward_torch(h: torch.Tensor, da: torch.Tensor, n_valid: torch.Tensor, glu: Glu = SWIGLU,
+                          bias: torch.Tensor | None = None,
+                          row_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh (S, 2I), a (S, I)) from h (S, 2I) and da (S, I); ``a`` is written over ``da``."""
+    gate_in, up_in = _gate_up(h, glu, bias, row_experts)
+    gate, up = _clamped(gate_in, up_in, glu.limit)
+    grad = da.to(gate.dtype)
+    sig = torch.sigmoid(glu.alpha * gate)
+    act, up = gate * sig, up + glu.up_offset
+    d_gate, d_up = grad * up * sig * (1 + glu.alpha * gate * (1 - sig)), grad * act
+    if glu.limit is not None:  # a clamped input gets no gradient (torch's clamp passes it where min <= x <= max)
+        d_gate = torch.where(gate_in <= glu.limit, d_gate, 0.0)
+        d_up = torch.where((up_in >= -glu.limit) & (up_in <= glu.limit), d_up, 0.0)
+    pair = torch.stack([d_gate, d_up], dim=-1).flatten(1) if glu.interleaved else torch.cat([d_gate, d_up], dim=-1)
+    da.copy_(act * up)
+    return pair.to(h.dtype), da
+
+
+def expert_sums_torch(d: torch.Tensor, offsets: torch.Tensor, row_experts: torch.Tensor) -> torch.Tensor:
+    """(E, N) float32 (float64 for float64): the sum of d's (S, N) rows per expert (a bias's gradient), by
+    ``row_experts`` (S,) int64; rows of dropped pairs (expert id E) are left out. (``offsets`` is the Triton twin's
+    way to the rows.)"""
+    num_experts, acc = offsets.numel() - 1, _acc_dtype(d.dtype)
+    sums = torch.zeros(num_experts + 1, d.shape[1], dtype=acc, device=d.device)
+    return sums.index_add_(0, row_experts, d.to(acc))[:num_experts]
+
+
 def combine_torch(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None, n_valid: torch.Tensor,
-                  out_dtype: torch.dtype) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * y[pos[t, j]], float32 sum, rows at or past n_valid count as 0."""
+                  out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                  row_experts: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * (y[p] + bias[row_experts[p]]), p = pos[t, j]; float32 sum, rows at or past
+    n_valid count as 0."""
     tokens, top_k = pos.shape
     acc = _acc_dtype(y.dtype)
-    rows = y.index_select(0, pos.reshape(-1)).view(tokens, top_k, y.shape[1]).to(acc)
+    rows = _biased(y.index_select(0, pos.reshape(-1)).to(acc), bias, row_experts, pos.reshape(-1))
+    rows = rows.view(tokens, top_k, y.shape[1])
     keep = (pos < n_valid).unsqueeze(-1)
     if weights is not None:
         rows = rows * weights.to(acc).unsqueeze(-1)
@@ -111,8 +149,10 @@ def combine_torch(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | No
 
 
 def combine_backward_torch(grad: torch.Tensor, y: torch.Tensor | None, perm: torch.Tensor, weights: torch.Tensor,
-                           n_valid: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dy (S, H) = weight * grad[token] per sorted row (0 past n_valid); d weights (T, k) when y is given."""
+                           n_valid: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                           row_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dy (S, H) = weight * grad[token] per sorted row (0 past n_valid); d weights (T, k) = <grad[token], y + bias>
+    when y is given."""
     top_k = weights.shape[1]
     acc = _acc_dtype(grad.dtype)
     valid = (torch.arange(perm.numel(), device=perm.device) < n_valid).unsqueeze(-1)
@@ -121,7 +161,18 @@ def combine_backward_torch(grad: torch.Tensor, y: torch.Tensor | None, perm: tor
     dy = torch.where(valid, g * w, 0.0).to(dtype)
     if y is None:
         return dy, None
-    dots = torch.where(valid, g * y.to(acc), 0.0).sum(1)
+    rows = _biased(y.to(acc), bias, row_experts, None)
+    dots = torch.where(valid, g * rows, 0.0).sum(1)
     dw = torch.empty(perm.numel(), dtype=weights.dtype, device=weights.device)
     dw[perm] = dots.to(weights.dtype)
     return dy, dw.view_as(weights)
+
+
+def _biased(rows: torch.Tensor, bias: torch.Tensor | None, row_experts: torch.Tensor | None,
+            picked: torch.Tensor | None) -> torch.Tensor:
+    """rows + the bias of each row's expert (the rows ``picked`` from the sorted ones, or all of them; a dropped
+    pair's row, expert id E, takes the last expert's bias: a don't-care)."""
+    if bias is None:
+        return rows
+    experts = row_experts if picked is None else row_experts.index_select(0, picked)
+    return rows + bias.to(rows.dtype).index_select(0, experts.clamp(max=bias.shape[0] - 1))

@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from . import nvidia_major
+from .experts_torch import SWIGLU, Glu
 
 try:  # host-side TMA descriptors: triton 3.4+
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -338,9 +339,23 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _gate_up(h_ptr, row, stride_h, I, cols, mask):
-    gate = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + row * stride_h + I + cols, mask=mask, other=0.0).to(tl.float32)
+def _pair_cols(cols, I, INTERLEAVED: tl.constexpr):
+    # Where a pair's gate and up projections sit in a row of h (S, 2I): gate half first, or alternating.
+    if INTERLEAVED:
+        return 2 * cols, 2 * cols + 1
+    return cols, I + cols
+
+
+@triton.jit
+def _gate_up(h_ptr, row, stride_h, I, cols, mask, bias_ptr, experts_ptr, stride_bias,
+             HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr):
+    gate_cols, up_cols = _pair_cols(cols, I, INTERLEAVED)
+    gate = tl.load(h_ptr + row * stride_h + gate_cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + row * stride_h + up_cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # the row's expert's bias (rows here are below n_valid: a real expert)
+        bias_row = bias_ptr + tl.load(experts_ptr + row) * stride_bias
+        gate += tl.load(bias_row + gate_cols, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(bias_row + up_cols, mask=mask, other=0.0).to(tl.float32)
     return gate, up
 
 
@@ -354,78 +369,127 @@ def _clamped(gate, up, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_kernel(h_ptr, a_ptr, n_valid_ptr, I, stride_h, stride_a, limit, HAS_LIMIT: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _swiglu_kernel(h_ptr, a_ptr, n_valid_ptr, bias_ptr, experts_ptr, I, stride_h, stride_a, stride_bias,
+                   limit, alpha, up_offset, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(n_valid_ptr):  # rows of dropped pairs hold no data
         return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
-    gate, up = _gate_up(h_ptr, row, stride_h, I, cols, mask)
+    gate, up = _gate_up(h_ptr, row, stride_h, I, cols, mask, bias_ptr, experts_ptr, stride_bias, HAS_BIAS,
+                        INTERLEAVED)
     gate, up = _clamped(gate, up, limit, HAS_LIMIT)
-    act = gate * tl.sigmoid(gate) * up
+    act = gate * tl.sigmoid(alpha * gate) * (up + up_offset)
     tl.store(a_ptr + row * stride_a + cols, act.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, n_valid_ptr, I, stride_h, stride_da, stride_dh, limit,
-                       HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, n_valid_ptr, bias_ptr, experts_ptr, I, stride_h, stride_da,
+                       stride_dh, stride_bias, limit, alpha, up_offset, HAS_LIMIT: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(n_valid_ptr):
         return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
-    gate_in, up_in = _gate_up(h_ptr, row, stride_h, I, cols, mask)
+    gate_in, up_in = _gate_up(h_ptr, row, stride_h, I, cols, mask, bias_ptr, experts_ptr, stride_bias, HAS_BIAS,
+                              INTERLEAVED)
     gate, up = _clamped(gate_in, up_in, limit, HAS_LIMIT)
+    up += up_offset
     da = tl.load(da_ptr + row * stride_da + cols, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    d_gate = da * up * sig * (1.0 + gate * (1.0 - sig))
-    d_up = da * silu
+    sig = tl.sigmoid(alpha * gate)
+    act = gate * sig
+    d_gate = da * up * sig * (1.0 + alpha * gate * (1.0 - sig))
+    d_up = da * act
     if HAS_LIMIT:  # a clamped input gets no gradient (torch's clamp passes it where min <= x <= max)
         d_gate = tl.where(gate_in <= limit, d_gate, 0.0)
         d_up = tl.where((up_in >= -limit) & (up_in <= limit), d_up, 0.0)
+    gate_cols, up_cols = _pair_cols(cols, I, INTERLEAVED)
     dh_row = dh_ptr + row * stride_dh
-    tl.store(dh_row + cols, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dh_row + I + cols, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_row + gate_cols, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_row + up_cols, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
     # da is dead once read: the recomputed activation (for the down projection's weight grad) replaces it.
-    tl.store(da_ptr + row * stride_da + cols, (silu * up).to(da_ptr.dtype.element_ty), mask=mask)
+    tl.store(da_ptr + row * stride_da + cols, (act * up).to(da_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_triton(h: torch.Tensor, n_valid: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """silu(h[:, :I]) * h[:, I:] for h (S, 2I) with unit column stride; returns (S, I). With ``limit``, the gate
-    half is first clamped to at most limit and the up half to [-limit, limit].
-
-    Rows at or past ``n_valid`` ((1,) int32 on the device) are skipped (left unwritten).
-    """
+def swiglu_triton(h: torch.Tensor, n_valid: torch.Tensor, glu: Glu = SWIGLU, bias: torch.Tensor | None = None,
+                  row_experts: torch.Tensor | None = None) -> torch.Tensor:
+    """:class:`Glu` of h (S, 2I) (unit column stride) -> (S, I); bias (E, 2I) (unit column stride) added to each
+    row's expert's projection (``row_experts`` (S,) int64). Rows at or past ``n_valid`` ((1,) int32 on the device)
+    are skipped (left unwritten)."""
     rows, inter = h.shape[0], h.shape[1] // 2
     a = torch.empty(rows, inter, dtype=h.dtype, device=h.device)
     if a.numel():
         _swiglu_kernel[(rows, triton.cdiv(inter, _BLOCK))](
-            h, a, n_valid, inter, h.stride(0), a.stride(0), _limit_arg(limit), HAS_LIMIT=limit is not None,
-            BLOCK=_BLOCK)
+            h, a, n_valid, *_bias_args(bias, row_experts, h), inter, h.stride(0), a.stride(0), _bias_stride(bias),
+            *_glu_args(glu), HAS_LIMIT=glu.limit is not None, HAS_BIAS=bias is not None,
+            INTERLEAVED=glu.interleaved, BLOCK=_BLOCK)
     return a
 
 
-def swiglu_backward_triton(h: torch.Tensor, da: torch.Tensor, n_valid: torch.Tensor,
-                           limit: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward_triton(h: torch.Tensor, da: torch.Tensor, n_valid: torch.Tensor, glu: Glu = SWIGLU,
+                           bias: torch.Tensor | None = None,
+                           row_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh (S, 2I), a (S, I)) from h (S, 2I) and da (S, I); ``a`` is written over ``da``; rows past n_valid skipped."""
     rows, inter = da.shape
     dh = torch.empty(rows, 2 * inter, dtype=h.dtype, device=h.device)
     if da.numel():
         _swiglu_bwd_kernel[(rows, triton.cdiv(inter, _BLOCK))](
-            h, da, dh, n_valid, inter, h.stride(0), da.stride(0), dh.stride(0), _limit_arg(limit),
-            HAS_LIMIT=limit is not None, BLOCK=_BLOCK)
+            h, da, dh, n_valid, *_bias_args(bias, row_experts, h), inter, h.stride(0), da.stride(0), dh.stride(0),
+            _bias_stride(bias), *_glu_args(glu), HAS_LIMIT=glu.limit is not None, HAS_BIAS=bias is not None,
+            INTERLEAVED=glu.interleaved, BLOCK=_BLOCK)
     return dh, da
 
 
-def _limit_arg(limit: float | None) -> float:
-    return 0.0 if limit is None else float(limit)  # a float argument either way: one specialization
+def _glu_args(glu: Glu) -> tuple[float, float, float]:
+    # floats either way (no limit: 0.0), so that a form's values do not each compile a kernel
+    return 0.0 if glu.limit is None else float(glu.limit), float(glu.alpha), float(glu.up_offset)
+
+
+def _bias_args(bias: torch.Tensor | None, row_experts: torch.Tensor | None, placeholder: torch.Tensor):
+    if bias is None:
+        return placeholder, placeholder
+    if bias.stride(-1) != 1 or row_experts is None:
+        raise ValueError("a bias needs unit column stride and the rows' experts (row_experts)")
+    return bias, row_experts
+
+
+def _bias_stride(bias: torch.Tensor | None) -> int:
+    return 0 if bias is None else bias.stride(0)
 
 
 @triton.jit
-def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, n_valid_ptr, H, stride_y, stride_out,
-                    TOP_K: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+def _expert_sums_kernel(d_ptr, out_ptr, offsets_ptr, N, stride_d, stride_out,
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    expert = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.load(offsets_ptr + expert)
+    end = tl.load(offsets_ptr + expert + 1)
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for r in range(start, end, BLOCK_R):  # a fixed order: the same sums on every run
+        rows = r + tl.arange(0, BLOCK_R)
+        ptrs = d_ptr + rows.to(tl.int64)[:, None] * stride_d + cols[None, :]
+        acc += tl.load(ptrs, mask=(rows < end)[:, None] & (cols < N)[None, :], other=0.0).to(tl.float32)
+    tl.store(out_ptr + expert.to(tl.int64) * stride_out + cols, tl.sum(acc, 0), mask=cols < N)
+
+
+def expert_sums_triton(d: torch.Tensor, offsets: torch.Tensor, row_experts: torch.Tensor | None = None) -> torch.Tensor:
+    """(E, N) float32: the sum of d's (S, N) rows (unit column stride) per expert, expert e's rows being
+    [offsets[e], offsets[e + 1]) (a bias's gradient; ``row_experts`` is the torch twin's way to them)."""
+    num_experts, n = offsets.numel() - 1, d.shape[1]
+    out = torch.empty(num_experts, n, dtype=torch.float32, device=d.device)
+    if out.numel():
+        block_r, block_n = 32, 128
+        _expert_sums_kernel[(num_experts, triton.cdiv(n, block_n))](
+            d, out, offsets, n, d.stride(0), out.stride(0), BLOCK_R=block_r, BLOCK_N=block_n)
+    return out
+
+
+@triton.jit
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, n_valid_ptr, bias_ptr, experts_ptr, H, stride_y, stride_out,
+                    stride_bias, TOP_K: tl.constexpr, HAS_W: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -434,7 +498,7 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, n_valid_ptr, H, stride_y, st
     for j in tl.static_range(TOP_K):
         p = tl.load(pos_ptr + token * TOP_K + j)
         in_use = cols < tl.where(p < n_valid, H, 0)  # a dropped pair's row is never read
-        row = tl.load(y_ptr + p * stride_y + cols, mask=in_use, other=0.0).to(tl.float32)
+        row = _biased_row(y_ptr + p * stride_y, cols, in_use, bias_ptr, experts_ptr + p, stride_bias, HAS_BIAS)
         if HAS_W:
             row = row * tl.load(w_ptr + token * TOP_K + j).to(tl.float32)
         acc += row
@@ -442,9 +506,19 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, n_valid_ptr, H, stride_y, st
 
 
 @triton.jit
-def _combine_bwd_kernel(g_ptr, y_ptr, perm_ptr, w_ptr, dy_ptr, dw_ptr, n_valid_ptr, H,
-                        stride_g, stride_y, stride_dy,
-                        TOP_K: tl.constexpr, NEED_DW: tl.constexpr, BLOCK: tl.constexpr):
+def _biased_row(row_ptr, cols, mask, bias_ptr, expert_ptr, stride_bias, HAS_BIAS: tl.constexpr):
+    # a row of y in float32, plus its expert's bias (masked entries 0)
+    row = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        expert = tl.load(expert_ptr)  # E for a dropped pair, whose mask is empty
+        row += tl.load(bias_ptr + expert * stride_bias + cols, mask=mask, other=0.0).to(tl.float32)
+    return row
+
+
+@triton.jit
+def _combine_bwd_kernel(g_ptr, y_ptr, perm_ptr, w_ptr, dy_ptr, dw_ptr, n_valid_ptr, bias_ptr, experts_ptr, H,
+                        stride_g, stride_y, stride_dy, stride_bias,
+                        TOP_K: tl.constexpr, NEED_DW: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
     valid = p < tl.load(n_valid_ptr)
     pair = tl.load(perm_ptr + p)
@@ -458,35 +532,41 @@ def _combine_bwd_kernel(g_ptr, y_ptr, perm_ptr, w_ptr, dy_ptr, dw_ptr, n_valid_p
         dy = tl.where(valid, g * w, 0.0)
         tl.store(dy_ptr + p * stride_dy + cols, dy.to(dy_ptr.dtype.element_ty), mask=mask)
         if NEED_DW:
-            y = tl.load(y_ptr + p * stride_y + cols, mask=cols < tl.where(valid, H, 0), other=0.0).to(tl.float32)
-            dot += g * y
+            in_use = cols < tl.where(valid, H, 0)
+            dot += g * _biased_row(y_ptr + p * stride_y, cols, in_use, bias_ptr, experts_ptr + p, stride_bias,
+                                   HAS_BIAS)
     if NEED_DW:
         tl.store(dw_ptr + pair, tl.where(valid, tl.sum(dot, 0), 0.0).to(dw_ptr.dtype.element_ty))
 
 
 def combine_triton(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None, n_valid: torch.Tensor,
-                   out_dtype: torch.dtype) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * y[pos[t, j]] in float32 (rows at or past n_valid count as 0).
+                   out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                   row_experts: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * (y[p] + bias[row_experts[p]]), p = pos[t, j], in float32 (rows at or past
+    n_valid count as 0).
 
     y: (S, H) unit column stride; pos: (T, k) int64 contiguous; weights: (T, k) contiguous or None (all
-    ones); n_valid: 0-d or (1,) int32 on the device. Returns (T, H) in ``out_dtype``.
+    ones); n_valid: 0-d or (1,) int32 on the device; bias: (E, H) unit column stride, or None. Returns (T, H) in
+    ``out_dtype``.
     """
     tokens, top_k = pos.shape
     hidden = y.shape[1]
     out = torch.empty(tokens, hidden, dtype=out_dtype, device=y.device)
     if out.numel():
         _combine_kernel[(tokens, triton.cdiv(hidden, _BLOCK))](
-            y, pos, weights if weights is not None else y, out, n_valid, hidden, y.stride(0), out.stride(0),
-            TOP_K=top_k, HAS_W=weights is not None, BLOCK=_BLOCK)
+            y, pos, weights if weights is not None else y, out, n_valid, *_bias_args(bias, row_experts, y), hidden,
+            y.stride(0), out.stride(0), _bias_stride(bias), TOP_K=top_k, HAS_W=weights is not None,
+            HAS_BIAS=bias is not None, BLOCK=_BLOCK)
     return out
 
 
 def combine_backward_triton(grad: torch.Tensor, y: torch.Tensor | None, perm: torch.Tensor, weights: torch.Tensor,
-                            n_valid: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            n_valid: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                            row_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Backward of :func:`combine_triton` per sorted row p (pair ``perm[p]``, token ``perm[p] // k``).
 
     Returns dy (S, H) in ``dtype`` = weight * grad[token] (0 past n_valid) and, when ``y`` is given,
-    d weights (T, k) = <grad[token], y[p]> in the weights' dtype.
+    d weights (T, k) = <grad[token], y[p] + bias[row_experts[p]]> in the weights' dtype.
     """
     rows, hidden = perm.numel(), grad.shape[1]
     dy = torch.empty(rows, hidden, dtype=dtype, device=grad.device)
@@ -494,6 +574,7 @@ def combine_backward_triton(grad: torch.Tensor, y: torch.Tensor | None, perm: to
     if rows:
         _combine_bwd_kernel[(rows,)](
             grad, y if y is not None else grad, perm, weights, dy, dw if dw is not None else weights, n_valid,
-            hidden, grad.stride(0), y.stride(0) if y is not None else 0, dy.stride(0),
-            TOP_K=weights.shape[1], NEED_DW=y is not None, BLOCK=_BLOCK)
+            *_bias_args(bias, row_experts, grad), hidden, grad.stride(0), y.stride(0) if y is not None else 0,
+            dy.stride(0), _bias_stride(bias), TOP_K=weights.shape[1], NEED_DW=y is not None,
+            HAS_BIAS=bias is not None, BLOCK=_BLOCK)
     return dy, dw
