@@ -339,23 +339,41 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _pair_cols(cols, I, INTERLEAVED: tl.constexpr):
-    # Where a pair's gate and up projections sit in a row of h (S, 2I): gate half first, or alternating.
+def _load_pair(row_ptr, start, I, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """A block's gate and up projections (columns start + [0, BLOCK) of each half) of a row of h (S, 2I), float32:
+    the gate half first, or alternating (loaded as one contiguous run of 2 * BLOCK and split)."""
     if INTERLEAVED:
-        return 2 * cols, 2 * cols + 1
-    return cols, I + cols
+        both = 2 * start + tl.arange(0, 2 * BLOCK)
+        pairs = tl.load(row_ptr + both, mask=both < 2 * I, other=0.0).to(tl.float32)
+        return tl.split(tl.reshape(pairs, (BLOCK, 2)))
+    cols = start + tl.arange(0, BLOCK)
+    gate = tl.load(row_ptr + cols, mask=cols < I, other=0.0).to(tl.float32)
+    up = tl.load(row_ptr + I + cols, mask=cols < I, other=0.0).to(tl.float32)
+    return gate, up
 
 
 @triton.jit
-def _gate_up(h_ptr, row, stride_h, I, cols, mask, bias_ptr, experts_ptr, stride_bias,
-             HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr):
-    gate_cols, up_cols = _pair_cols(cols, I, INTERLEAVED)
-    gate = tl.load(h_ptr + row * stride_h + gate_cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + row * stride_h + up_cols, mask=mask, other=0.0).to(tl.float32)
+def _store_pair(row_ptr, start, I, gate, up, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr):
+    # _load_pair's inverse
+    gate, up = gate.to(row_ptr.dtype.element_ty), up.to(row_ptr.dtype.element_ty)
+    if INTERLEAVED:
+        both = 2 * start + tl.arange(0, 2 * BLOCK)
+        tl.store(row_ptr + both, tl.reshape(tl.join(gate, up), (2 * BLOCK,)), mask=both < 2 * I)
+    else:
+        cols = start + tl.arange(0, BLOCK)
+        tl.store(row_ptr + cols, gate, mask=cols < I)
+        tl.store(row_ptr + I + cols, up, mask=cols < I)
+
+
+@triton.jit
+def _gate_up(h_ptr, row, stride_h, I, start, bias_ptr, experts_ptr, stride_bias,
+             HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):
+    gate, up = _load_pair(h_ptr + row * stride_h, start, I, BLOCK, INTERLEAVED)
     if HAS_BIAS:  # the row's expert's bias (rows here are below n_valid: a real expert)
-        bias_row = bias_ptr + tl.load(experts_ptr + row) * stride_bias
-        gate += tl.load(bias_row + gate_cols, mask=mask, other=0.0).to(tl.float32)
-        up += tl.load(bias_row + up_cols, mask=mask, other=0.0).to(tl.float32)
+        gate_bias, up_bias = _load_pair(bias_ptr + tl.load(experts_ptr + row) * stride_bias, start, I, BLOCK,
+                                        INTERLEAVED)
+        gate += gate_bias
+        up += up_bias
     return gate, up
 
 
@@ -375,10 +393,11 @@ def _swiglu_kernel(h_ptr, a_ptr, n_valid_ptr, bias_ptr, experts_ptr, I, stride_h
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(n_valid_ptr):  # rows of dropped pairs hold no data
         return
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    start = tl.program_id(1) * BLOCK
+    cols = start + tl.arange(0, BLOCK)
     mask = cols < I
-    gate, up = _gate_up(h_ptr, row, stride_h, I, cols, mask, bias_ptr, experts_ptr, stride_bias, HAS_BIAS,
-                        INTERLEAVED)
+    gate, up = _gate_up(h_ptr, row, stride_h, I, start, bias_ptr, experts_ptr, stride_bias, HAS_BIAS, INTERLEAVED,
+                        BLOCK)
     gate, up = _clamped(gate, up, limit, HAS_LIMIT)
     act = gate * tl.sigmoid(alpha * gate) * (up + up_offset)
     tl.store(a_ptr + row * stride_a + cols, act.to(a_ptr.dtype.element_ty), mask=mask)
@@ -391,10 +410,11 @@ def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, n_valid_ptr, bias_ptr, experts_ptr
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(n_valid_ptr):
         return
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    start = tl.program_id(1) * BLOCK
+    cols = start + tl.arange(0, BLOCK)
     mask = cols < I
-    gate_in, up_in = _gate_up(h_ptr, row, stride_h, I, cols, mask, bias_ptr, experts_ptr, stride_bias, HAS_BIAS,
-                              INTERLEAVED)
+    gate_in, up_in = _gate_up(h_ptr, row, stride_h, I, start, bias_ptr, experts_ptr, stride_bias, HAS_BIAS,
+                              INTERLEAVED, BLOCK)
     gate, up = _clamped(gate_in, up_in, limit, HAS_LIMIT)
     up += up_offset
     da = tl.load(da_ptr + row * stride_da + cols, mask=mask, other=0.0).to(tl.float32)
@@ -405,10 +425,7 @@ def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, n_valid_ptr, bias_ptr, experts_ptr
     if HAS_LIMIT:  # a clamped input gets no gradient (torch's clamp passes it where min <= x <= max)
         d_gate = tl.where(gate_in <= limit, d_gate, 0.0)
         d_up = tl.where((up_in >= -limit) & (up_in <= limit), d_up, 0.0)
-    gate_cols, up_cols = _pair_cols(cols, I, INTERLEAVED)
-    dh_row = dh_ptr + row * stride_dh
-    tl.store(dh_row + gate_cols, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dh_row + up_cols, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
+    _store_pair(dh_ptr + row * stride_dh, start, I, d_gate, d_up, BLOCK, INTERLEAVED)
     # da is dead once read: the recomputed activation (for the down projection's weight grad) replaces it.
     tl.store(da_ptr + row * stride_da + cols, (act * up).to(da_ptr.dtype.element_ty), mask=mask)
 
