@@ -1,19 +1,22 @@
 """Probe: the experts layer's elementwise kernels alone (SwiGLU forward / backward, combine and its backward, the
 biases' per-expert sums), plain SwiGLU against GPT-OSS's form (clamp, alpha, up + 1, interleaved, biases), at
-GPT-OSS-20B's layer size. Median of interleaved rounds of CUDA-event times. To compare two trees, run it on each
+GPT-OSS-20B's layer size. Median of 10 interleaved rounds of each kernel's median of 5 calls (CUDA events). To compare two trees, run it on each
 (the kernels' signatures are those of 0437d29 on). GPU only:
 
     PYTHONPATH=src python benchmark/probes/experts_elementwise_probe.py [SxIxHxE]   # default 32768x2880x2880x32
 """
 from __future__ import annotations
 
-import statistics
 import sys
+from pathlib import Path
 
 import torch
 
 from flce.kernels import experts_triton as k
 from flce.kernels.experts_torch import Glu
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: common's timing
+from common import median_of_rounds  # noqa: E402
 
 
 def cases(rows: int, inter: int, hidden: int, experts: int) -> dict:
@@ -50,20 +53,8 @@ def main(shape: str) -> None:
     rows, inter, hidden, experts = map(int, shape.split("x"))
     print(torch.cuda.get_device_name(), "torch", torch.__version__, f"S {rows} I {inter} H {hidden} E {experts}")
     fns = cases(rows, inter, hidden, experts)
-    for fn in fns.values():  # compile
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(20):
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end))
-    for name, ts in times.items():
-        print(f"{name:26s} {statistics.median(ts) * 1e3:8.1f} us")
-
+    for name, ms in median_of_rounds(fns, torch.device("cuda"), reps=5, rounds=10).items():
+        print(f"{name:26s} {ms * 1e3:8.1f} us")
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "32768x2880x2880x32")
