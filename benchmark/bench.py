@@ -114,7 +114,7 @@ def write_results(out: Path, env: dict, args, results: dict[str, tuple[object | 
     write_json(out / "results.json", {**env, "args": settings, "notes": args.notes, "tracebacks": args.tracebacks},
                [r for _, rows in results.values() for r in rows])
     markdown = [f"# flce benchmark: {env['device']}, torch {env['torch']}, triton {env['triton']}, "
-                f"{env['date']}\n"] + [f"- {n}" for n in args.notes]
+                f"transformers {env['transformers']}, {env['date']}\n"] + [f"- {n}" for n in args.notes]
     for name, (module, rows) in results.items():
         if rows:
             compact = getattr(module, "compact_columns", None)

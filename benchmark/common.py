@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import functools
 import gc
+import importlib.metadata
 import json
 import math
 import os
@@ -403,10 +404,18 @@ def environment(device: torch.device) -> dict[str, Any]:
         "device_type": device.type,
         "torch": torch.__version__,
         "triton": triton_version,
+        "transformers": _installed_version("transformers"),  # the experts suite's grouped_mm is transformers'
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }
+
+
+def _installed_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def slug(text: str) -> str:
