@@ -81,7 +81,7 @@ def make_biases(gate_up, down, grid=False) -> dict:
 
 
 def loop_reference(x, ids, weights, gate_up, down, swiglu_limit=None, swiglu_alpha=1.0, swiglu_up_offset=0.0,
-                   interleaved=False, gate_up_proj_bias=None, down_proj_bias=None):
+                   interleaved=False, gate_up_proj_bias=None, down_proj_bias=None, activation="swiglu"):
     """Float64 per-expert loop (transformers' eager algorithm, with the gate forms and biases experts_forward
     takes); returns (out, float64 leaves: x, weights, gate_up, down and the biases given)."""
     given = {k: b for k, b in (("gate_up", gate_up_proj_bias), ("down", down_proj_bias)) if b is not None}
@@ -93,10 +93,13 @@ def loop_reference(x, ids, weights, gate_up, down, swiglu_limit=None, swiglu_alp
     for e in range(gu64.shape[0]):
         tok, choice = torch.where(ids == e)
         h = x64[tok] @ gu64[e].T + (b_gu[e] if b_gu is not None else 0)
-        gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)
-        if swiglu_limit is not None:
-            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
-        act = gate * torch.sigmoid(swiglu_alpha * gate) * (up + swiglu_up_offset)
+        if activation == "relu2":
+            act = torch.relu(h).square()
+        else:
+            gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)
+            if swiglu_limit is not None:
+                gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+            act = gate * torch.sigmoid(swiglu_alpha * gate) * (up + swiglu_up_offset)
         y = act @ d64[e].T + (b_d[e] if b_d is not None else 0)
         out = out.index_add(0, tok, y * w64[tok, choice, None])
     return out, leaves
@@ -148,6 +151,8 @@ FORMS = {  # gate forms and biases beyond SwiGLU: (experts_forward's keywords, w
     "biases": ({}, True),
     "alpha_offset": ({"swiglu_alpha": 0.75, "swiglu_up_offset": -0.5}, False),
     "interleaved": ({"interleaved": True}, False),
+    "relu2": ({"activation": "relu2"}, False),  # Nemotron-H: no gate, gate_up_proj is up_proj (E, I, H)
+    "relu2_biases": ({"activation": "relu2"}, True),
 }
 
 
@@ -156,6 +161,8 @@ def form_case(form, tokens, hidden, inter, experts, top_k, dtype, device, case="
     kwargs, with_bias = FORMS[form]
     x, ids, weights, gate_up, down = make_case(tokens, hidden, inter, experts, top_k, dtype, device, case,
                                                grid="swiglu_limit" in kwargs)
+    if kwargs.get("activation") == "relu2":  # the up projection alone
+        gate_up = gate_up.detach()[:, :inter].contiguous().requires_grad_()
     if with_bias:
         kwargs = {**kwargs, **make_biases(gate_up, down, grid="swiglu_limit" in kwargs)}
     return (x, ids, weights, gate_up, down), kwargs
@@ -385,30 +392,30 @@ def test_a_listed_gate_is_checked_against_flce_s_swiglu(monkeypatch):
     assert rel_err(got, flce.experts_forward(x, ids, weights, gate_up, down, swiglu_limit=0.5)) > 1e-2
 
 
-GATED_FAMILIES = {"deepseek_v4": "limit", "hy_v4": "swiglu_limit", "beam": None, "lfm2_moe": None, "aria_text": None,
-                  "gpt_oss": "limit", "minimax_m3_vl_text": "swiglu_limit"}
+FAMILY_FORMS = {"deepseek_v4": "limit", "hy_v4": "swiglu_limit", "beam": None, "lfm2_moe": None, "aria_text": None,
+                "gpt_oss": "limit", "minimax_m3_vl_text": "swiglu_limit", "nemotron_h": None}  # -> the clamp's attribute
 
 
-@pytest.mark.parametrize("model_type", sorted(GATED_FAMILIES))
+@pytest.mark.parametrize("model_type", sorted(FAMILY_FORMS))
 def test_families_with_their_own_gate_match_their_experts(model_type, monkeypatch):
     """The experts of families whose gate flce computes (a clamp, SwiGLU in float32, F.silu, GPT-OSS's gate and
-    biases) or that store their weights transposed (Aria) run on flce and match the class's own forward, the clamp
-    set low enough to bite and biases made non-zero."""
+    biases, Nemotron-H's ungated relu2) or that store their weights transposed (Aria) run on flce and match the
+    class's own forward, the clamp set low enough to bite and biases made non-zero."""
     hf_zoo = pytest.importorskip("hf_zoo")
     if model_type not in hf_zoo.ZOO:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     model = hf_zoo.build(model_type)
     module = next(m for m in model.modules() if type(m).__name__.endswith("Experts") and fx.computes_experts(m))
-    limit_attr = GATED_FAMILIES[model_type]
+    limit_attr = FAMILY_FORMS[model_type]
     if limit_attr:
         setattr(module, limit_attr, 0.05)  # the tiny projections are ~0.1
-    params = [module.gate_up_proj, module.down_proj]
+    params = [module.gate_up_proj if hasattr(module, "gate_up_proj") else module.up_proj, module.down_proj]
     if getattr(module, "has_bias", False):
         params += [module.gate_up_proj_bias, module.down_proj_bias]
         with torch.no_grad():
             for bias in params[2:]:
                 bias.normal_(0.0, 0.05)
-    experts, hidden = module.gate_up_proj.shape[0], model.get_input_embeddings().embedding_dim
+    experts, hidden = params[0].shape[0], params[0].shape[1 if getattr(module, "is_transposed", False) else 2]
     x = torch.randn(13, hidden)
     ids = routing("random", 13, 2, experts)
     weights = torch.rand(13, 2)
@@ -434,7 +441,7 @@ def test_gpt_oss_flags_decide_the_layout_and_biases():
         pytest.skip(f"transformers {transformers.__version__} has no gpt_oss")
     module = next(m for m in hf_zoo.build("gpt_oss").modules() if type(m).__name__ == "GptOssExperts")
     operands = fx._operands(module)
-    assert operands.glu.interleaved and operands.gate_up_bias is module.gate_up_proj_bias
+    assert operands.act.interleaved and operands.gate_up_bias is module.gate_up_proj_bias
     assert operands.gate_up.shape == module.gate_up_proj.transpose(1, 2).shape  # stored (E, H, 2I)
     module.is_concatenated = True
     assert not fx.computes_experts(module)
@@ -501,6 +508,10 @@ def test_route_pairs_sorts_stably_and_inverts():
     (lambda a: {**a, "gate_up_proj_bias": torch.zeros(3, 4, dtype=torch.float64)}, ValueError),  # (E, I), not 2I
     (lambda a: {**a, "down_proj_bias": torch.zeros(3, 8, dtype=torch.int64)}, TypeError),
     (lambda a: {**a, "down_proj_bias": torch.zeros(8, dtype=torch.float64)}, ValueError),
+    (lambda a: {**a, "activation": "gelu"}, ValueError),
+    (lambda a: {**a, "activation": "relu2"}, ValueError),  # gate_up_proj (E, 2I, H): relu2 takes (E, I, H)
+    (lambda a: {**a, "activation": "relu2", "gate_up_proj": a["gate_up_proj"][:, :4], "swiglu_limit": 1.0},
+     ValueError),
 ])
 def test_bad_input_raises_clear_errors(bad, error):
     x, ids, weights, gate_up, down = make_case(5, 8, 4, 3, 2, torch.float64, "cpu")

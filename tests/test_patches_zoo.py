@@ -77,8 +77,9 @@ def test_zoo_sample_with_the_triton_backend(model_type):
 
 MOE_ON_FLCE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm4_moe", "granitemoe",
                "deepseek_v4", "hy_v4", "lfm2_moe", "aria_text",  # a clamped SwiGLU, F.silu, transposed weights
-               "gpt_oss", "minimax_m3_vl_text"]  # GPT-OSS's gate: alpha, up + 1, interleaved, biases
-MOE_KEPT = ["dbrx", "llama4_text", "jetmoe", "nemotron_h"]  # other layouts: no experts decorator, no gate
+               "gpt_oss", "minimax_m3_vl_text",  # GPT-OSS's gate: alpha, up + 1, interleaved, biases
+               "nemotron_h"]  # ungated relu2
+MOE_KEPT = ["dbrx", "llama4_text", "jetmoe"]  # other layouts (no experts decorator)
 
 
 @pytest.mark.parametrize("model_type", installed(MOE_ON_FLCE + MOE_KEPT))

@@ -1,5 +1,5 @@
 """Probe: the experts layer's elementwise kernels alone (SwiGLU forward / backward, combine and its backward, the
-biases' per-expert sums), plain SwiGLU against GPT-OSS's form (clamp, alpha, up + 1, interleaved, biases), at
+biases' per-expert sums), plain SwiGLU against GPT-OSS's form (clamp, alpha, up + 1, interleaved, biases) and the ungated relu2, at
 GPT-OSS-20B's layer size. Median of 10 interleaved rounds of each kernel's median of 5 calls (CUDA events). To compare two trees, run it on each
 (the kernels' signatures are those of 0437d29 on). GPU only:
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from flce.kernels import experts_triton as k
-from flce.kernels.experts_torch import Glu
+from flce.kernels.experts_torch import RELU2, Activation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: common's timing
 from common import median_of_rounds  # noqa: E402
@@ -33,12 +33,14 @@ def cases(rows: int, inter: int, hidden: int, experts: int) -> dict:
     pos = torch.empty_like(perm).scatter_(0, perm, torch.arange(rows, device=dev)).view(tokens, 4)
     weights = torch.rand(tokens, 4, device=dev)
     grad = torch.randn(tokens, hidden, device=dev, dtype=bf16)
-    plain, gpt_oss = Glu(), Glu(7.0, 1.702, 1.0, True)
+    plain, gpt_oss = Activation(), Activation(7.0, 1.702, 1.0, True)
     return {
-        "swiglu plain": lambda: k.swiglu_triton(h, n_valid, plain),
-        "swiglu gpt_oss": lambda: k.swiglu_triton(h, n_valid, gpt_oss, bias, row_experts),
-        "swiglu_backward plain": lambda: k.swiglu_backward_triton(h, da, n_valid, plain),
-        "swiglu_backward gpt_oss": lambda: k.swiglu_backward_triton(h, da, n_valid, gpt_oss, bias, row_experts),
+        "swiglu plain": lambda: k.activation_triton(h, n_valid, plain),
+        "swiglu gpt_oss": lambda: k.activation_triton(h, n_valid, gpt_oss, bias, row_experts),
+        "swiglu_backward plain": lambda: k.activation_backward_triton(h, da, n_valid, plain),
+        "swiglu_backward gpt_oss": lambda: k.activation_backward_triton(h, da, n_valid, gpt_oss, bias, row_experts),
+        "relu2": lambda: k.activation_triton(h[:, :inter], n_valid, RELU2),
+        "relu2_backward": lambda: k.activation_backward_triton(h[:, :inter], da, n_valid, RELU2),
         "combine": lambda: k.combine_triton(y, pos, weights, n_valid, bf16),
         "combine, bias": lambda: k.combine_triton(y, pos, weights, n_valid, bf16, bias_down, row_experts),
         "combine_backward": lambda: k.combine_backward_triton(grad, y, perm, weights, n_valid, bf16),

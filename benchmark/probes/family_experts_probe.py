@@ -4,9 +4,10 @@ in flce's kernels. Timed in interleaved rounds (median of CUDA-event times), pea
 
     PYTHONPATH=src python benchmark/probes/family_experts_probe.py FAMILY [TxHxIxExK ...]
 
-FAMILY: deepseek_v4 (a clamped SwiGLU; needs a transformers with DeepSeek-V4, 5.24 has it) or gpt_oss (clamped,
-alpha 1.702, up + 1, gate and up interleaved, biases, weights stored transposed). Default shapes: the family's
-layers at 8192 tokens.
+FAMILY: deepseek_v4 (a clamped SwiGLU; needs a transformers with DeepSeek-V4, 5.24 has it), gpt_oss (clamped,
+alpha 1.702, up + 1, gate and up interleaved, biases, weights stored transposed) or nemotron_h (ungated relu2; its third
+row is flce's relu2 layer called directly). Default shapes: the family's layers at 8192 tokens (Nemotron-H:
+Nemotron-3-Nano-30B-A3B's, H 2688, I 1856, E 128, top-6).
 """
 from __future__ import annotations
 
@@ -37,8 +38,17 @@ def gpt_oss(hidden, inter, experts, top_k):
     return GptOssExperts(config), config, 3.0  # the clamp at 7 bites now and then
 
 
+def nemotron_h(hidden, inter, experts, top_k):
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    config = transformers.NemotronHConfig(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
+                                          num_experts_per_tok=top_k)
+    return NemotronHExperts(config), config, 1.0
+
+
 FAMILIES = {"deepseek_v4": (deepseek_v4, ["8192x4096x2048x256x6", "8192x2048x768x128x8"]),
-            "gpt_oss": (gpt_oss, ["8192x2880x2880x32x4", "8192x2880x2880x128x4", "16384x2880x2880x32x4"])}
+            "gpt_oss": (gpt_oss, ["8192x2880x2880x32x4", "8192x2880x2880x128x4", "16384x2880x2880x32x4"]),
+            "nemotron_h": (nemotron_h, ["8192x2688x1856x128x6", "16384x2688x1856x128x6"])}
 
 
 def layer(family: str, shape: str):
@@ -79,10 +89,11 @@ def measure(family: str, shape: str) -> None:
         return step
 
     def plain():
-        out = fx.experts_forward(x, ids, weights, operands.gate_up, operands.down)
+        out = fx.experts_forward(x, ids, weights, operands.gate_up, operands.down, activation=operands.act.kind)
         return torch.autograd.grad(out, [x, weights, operands.gate_up, operands.down], grad)
 
-    methods = {"grouped_mm": on("grouped_mm"), "flce": on("flce"), "flce, plain SwiGLU": plain}
+    methods = {"grouped_mm": on("grouped_mm"), "flce": on("flce"),
+               "flce, plain SwiGLU" if operands.act.gated else "flce, direct call": plain}
     times: dict[str, list[float]] = {name: [] for name in methods}
     peaks = {}
     for name, fn in methods.items():  # warm: compile, autotune, the dispatch's timing

@@ -1,5 +1,5 @@
-"""A SwiGLU experts backend for transformers (Mixtral, Qwen-MoE, DeepSeek, most MoE families), registered as
-``"flce"``.
+"""An experts backend for transformers (Mixtral, Qwen-MoE, DeepSeek, GPT-OSS, Nemotron-H, most MoE families),
+registered as ``"flce"``.
 
 transformers 5 keeps a layer's experts as two 3-D parameters, ``gate_up_proj (E, 2I, H)`` (gate rows
 first) and ``down_proj (E, H, I)``, and calls the backend named by ``config._experts_implementation``
@@ -14,16 +14,18 @@ at one host sync per layer call, see ``flce.kernels.experts_dispatch``):
 1. sort the S = T * k token-expert pairs by expert; ``offsets`` by ``searchsorted``. Pairs whose expert
    id is outside [0, E) (expert-parallel sentinels) sort last and are dropped.
 2. gather the tokens once in that order: ``xs`` (S, H).
-3. ``h = xs @ gate_up[e]^T`` (grouped GEMM), ``a = silu(h_gate) * h_up`` (one kernel; with ``swiglu_limit``
-   the gate half clamped to at most the limit and the up half to [-limit, limit] first, DeepSeek-V4's form).
+3. ``h = xs @ gate_up[e]^T`` (grouped GEMM), ``a = silu(h_gate) * h_up`` (one kernel, the
+   :class:`~flce.kernels.experts_torch.Activation`: optionally a clamp (DeepSeek-V4's ``swiglu_limit``), GPT-OSS's
+   gate (alpha, up + 1, gate and up interleaved), each row's expert's bias; or Nemotron-H's ungated relu2).
 4. ``y = a @ down[e]^T`` (grouped GEMM).
-5. ``out[t] = sum_j w[t, j] * y[pos[t, j]]`` in float32: the routing-weight multiply, the un-permute and
-   the recombine in one kernel.
+5. ``out[t] = sum_j w[t, j] * (y[pos[t, j]] + down_bias[e])`` in float32: the routing-weight multiply, the
+   un-permute and the recombine in one kernel.
 
 Backward reverses it: ``dy = w * g[token]`` and ``dw = <g[token], y>`` (one kernel), ``da = dy @
 down[e]``, ``dh`` and the recomputed ``a`` (one kernel, ``a`` written over ``da``), the two weight
-gradients as expert-grouped GEMMs, ``dxs = dh @ gate_up[e]`` and its float32 sum back onto the tokens.
-Saved for backward: ``xs``, ``h`` and (only when the routing weights need a gradient) ``y``.
+gradients as expert-grouped GEMMs (the biases': per-expert sums of dh and dy), ``dxs = dh @ gate_up[e]`` and
+its float32 sum back onto the tokens. Saved for backward: ``xs``, ``h`` and (only when the routing weights need a
+gradient) ``y``.
 
 Each GEMM runs on the path measured fastest for its shape (flce's Triton grouped GEMMs, with or
 without TMA loads, torch's grouped_mm, or for large GEMMs outside capture one cuBLAS GEMM per expert;
@@ -42,7 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from .import_hooks import compile_disabled, when_imported
 from .kernels.experts_dispatch import elementwise_ops, resolve_elementwise, rows_mm, wgrad_mm
-from .kernels.experts_torch import Glu, swiglu_torch
+from .kernels.experts_torch import RELU2, Activation, activation_torch
 
 BACKEND_NAME = "flce"
 
@@ -78,24 +80,24 @@ def route_pairs(top_k_index: torch.Tensor, num_experts: int) -> Routes:
 class ExpertsFunction(torch.autograd.Function):
     """Inputs: hidden (T, H), gate_up (E, 2I, H), down (E, H, I), weights (T, k) contiguous, gate_up_bias (E, 2I)
     and down_bias (E, H) or None, then :class:`Routes`' perm, pos, offsets and experts, the GEMMs' dtype, gemm path,
-    elementwise ops and the :class:`Glu`. Output: (T, H) in hidden's dtype; gradients in their inputs' dtypes."""
+    elementwise ops and the :class:`Activation`. Output: (T, H) in hidden's dtype; gradients in their inputs' dtypes."""
 
     @staticmethod
     def forward(ctx, hidden, gate_up_param, down_param, weights, gate_up_bias, down_bias, perm, pos, offsets,
-                row_experts, dtype, gemm, ops, glu):
+                row_experts, dtype, gemm, ops, act):
         n_valid = offsets[-1:]
         with torch.autocast(hidden.device.type, enabled=False):
             gate_up, down = gate_up_param.to(dtype), down_param.to(dtype)  # copies only under autocast
             xs = hidden.to(dtype).index_select(0, perm // pos.shape[1])
             h = rows_mm(xs, gate_up.transpose(1, 2), offsets, gemm)
-            a = ops["swiglu"](h, n_valid, glu, gate_up_bias, row_experts)
+            a = ops["activation"](h, n_valid, act, gate_up_bias, row_experts)
             y = rows_mm(a, down.transpose(1, 2), offsets, gemm)
             out = ops["combine"](y, pos, weights, n_valid, hidden.dtype, down_bias, row_experts)
         need_x, need_gate_up, need_down, need_weights, need_gate_up_bias = ctx.needs_input_grad[:5]
         need_h = need_x or need_gate_up or need_down or need_gate_up_bias
         ctx.save_for_backward(xs if need_gate_up else None, h if need_h else None, y if need_weights else None,
                               gate_up, down, weights, gate_up_bias, down_bias, perm, pos, offsets, row_experts)
-        ctx.gemm, ctx.ops, ctx.glu = gemm, ops, glu
+        ctx.gemm, ctx.ops, ctx.act = gemm, ops, act
         ctx.transposed = _stored_transposed(gate_up_param), _stored_transposed(down_param)
         ctx.hidden_dtype, ctx.param_dtype = hidden.dtype, gate_up_param.dtype
         return out
@@ -114,7 +116,7 @@ class ExpertsFunction(torch.autograd.Function):
             if need_down_bias:
                 d_down_bias = ops["expert_sums"](dy, offsets, row_experts).to(down_bias.dtype)
             if need_x or need_gate_up or need_down or need_gate_up_bias:
-                dh, a = ops["swiglu_backward"](h, rows_mm(dy, down, offsets, gemm), n_valid, ctx.glu, gate_up_bias,
+                dh, a = ops["activation_backward"](h, rows_mm(dy, down, offsets, gemm), n_valid, ctx.act, gate_up_bias,
                                                row_experts)
                 gate_up_t, down_t = ctx.transposed
                 d_down = _wgrad(dy, a, offsets, gemm, down_t).to(ctx.param_dtype) if need_down else None
@@ -154,9 +156,10 @@ def experts_forward(
     interleaved: bool = False,
     gate_up_proj_bias: torch.Tensor | None = None,
     down_proj_bias: torch.Tensor | None = None,
+    activation: str = "swiglu",
 ) -> torch.Tensor:
     """SwiGLU mixture of experts: ``sum_j w[t, j] * down[e] @ (silu(gate[e] @ x_t) * (up[e] @ x_t))``, and the
-    variants transformers' MoE families use (a clamp, GPT-OSS's gate, biases).
+    variants transformers' MoE families use (a clamp, GPT-OSS's gate, biases, Nemotron-H's ungated relu2).
 
     Args:
         hidden_states: (T, H).
@@ -174,11 +177,13 @@ def experts_forward(
             (GPT-OSS: 1.702 and 1; the defaults are SwiGLU's).
         interleaved: gate and up rows of gate_up_proj alternate (GPT-OSS's layout) instead of gate rows first.
         gate_up_proj_bias: (E, 2I), down_proj_bias: (E, H): per-expert biases of the two projections, or None.
+        activation: "swiglu" (the gated forms above) or "relu2": no gate, ``relu(up[e] @ x_t) ** 2``, gate_up_proj
+            being the up projection alone, (E, I, H), and its bias (E, I) (Nemotron-H's experts).
     Returns:
         (T, H) in hidden_states' dtype.
     """
-    _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
-    glu = _glu(swiglu_limit, swiglu_alpha, swiglu_up_offset, interleaved)
+    act = _activation(activation, swiglu_limit, swiglu_alpha, swiglu_up_offset, interleaved)
+    _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, 2 if act.gated else 1)
     biases = [_checked_bias(name, bias, rows, gate_up_proj) for name, bias, rows in (
         ("gate_up_proj_bias", gate_up_proj_bias, gate_up_proj.shape[1]),
         ("down_proj_bias", down_proj_bias, down_proj.shape[1]))]
@@ -188,10 +193,15 @@ def experts_forward(
     ops = elementwise_ops(resolve_elementwise(elementwise, device, dtype))
     routes = route_pairs(top_k_index, gate_up_proj.shape[0])
     return ExpertsFunction.apply(hidden_states, gate_up_proj, down_proj, top_k_weights.contiguous(), *biases,
-                                 routes.perm, routes.pos, routes.offsets, routes.experts, dtype, gemm, ops, glu)
+                                 routes.perm, routes.pos, routes.offsets, routes.experts, dtype, gemm, ops, act)
 
 
-def _glu(limit, alpha, up_offset, interleaved) -> Glu:
+def _activation(kind, limit, alpha, up_offset, interleaved) -> Activation:
+    if kind not in ("swiglu", "relu2"):
+        raise ValueError(f"activation must be 'swiglu' or 'relu2', got {kind!r}")
+    if kind == "relu2" and (limit, alpha, up_offset, interleaved) != (None, 1.0, 0.0, False):
+        raise ValueError("activation='relu2' has no gate: swiglu_limit, swiglu_alpha, swiglu_up_offset and "
+                         "interleaved keep their defaults")
     if not _valid_limit(limit):
         raise ValueError(f"swiglu_limit must be a positive finite number or None, got {limit!r}")
     for name, value in (("swiglu_alpha", alpha), ("swiglu_up_offset", up_offset)):
@@ -199,7 +209,7 @@ def _glu(limit, alpha, up_offset, interleaved) -> Glu:
             raise ValueError(f"{name} must be a finite number, got {value!r}")
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved must be a bool, got {interleaved!r}")
-    return Glu(None if limit is None else float(limit), float(alpha), float(up_offset), interleaved)
+    return Activation(None if limit is None else float(limit), float(alpha), float(up_offset), interleaved, kind)
 
 
 def _checked_bias(name: str, bias: torch.Tensor | None, width: int, gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -214,7 +224,8 @@ def _checked_bias(name: str, bias: torch.Tensor | None, width: int, gate_up: tor
     return bias.contiguous()  # the kernels read rows with unit column stride
 
 
-def _check(hidden, index, weights, gate_up, down) -> None:
+def _check(hidden, index, weights, gate_up, down, halves: int) -> None:
+    """halves: 2 where gate_up_proj holds gate and up (E, 2I, H), 1 where it is the up projection alone (E, I, H)."""
     for name, t in (("hidden_states", hidden), ("top_k_weights", weights), ("gate_up_proj", gate_up),
                     ("down_proj", down)):
         if not t.is_floating_point():
@@ -224,13 +235,11 @@ def _check(hidden, index, weights, gate_up, down) -> None:
     if down.dtype != gate_up.dtype:
         raise TypeError(f"down_proj ({down.dtype}) and gate_up_proj ({gate_up.dtype}) must share a dtype")
     if hidden.dim() != 2 or index.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
-        raise ValueError("expected hidden_states (T, H), top_k_index (T, k), gate_up_proj (E, 2I, H) and "
-                         f"down_proj (E, H, I); got {_shapes(hidden, index, gate_up, down)}")
-    experts, two_inter, hid = gate_up.shape
-    if (hid != hidden.shape[1] or two_inter % 2 or tuple(down.shape) != (experts, hid, two_inter // 2)
+        raise _layout_error(hidden, index, gate_up, down, halves)
+    experts, rows, hid = gate_up.shape
+    if (hid != hidden.shape[1] or rows % halves or tuple(down.shape) != (experts, hid, rows // halves)
             or index.shape[0] != hidden.shape[0]):
-        raise ValueError("expected hidden_states (T, H), top_k_index (T, k), gate_up_proj (E, 2I, H) and "
-                         f"down_proj (E, H, I); got {_shapes(hidden, index, gate_up, down)}")
+        raise _layout_error(hidden, index, gate_up, down, halves)
     if weights.shape != index.shape:
         raise ValueError(f"top_k_weights {tuple(weights.shape)} must match top_k_index {tuple(index.shape)}")
     devices = {t.device for t in (hidden, index, weights, gate_up, down)}
@@ -246,8 +255,11 @@ def _valid_limit(limit) -> bool:
     return limit is None or (_finite_number(limit) and limit > 0)
 
 
-def _shapes(*tensors: torch.Tensor) -> str:
-    return ", ".join(str(tuple(t.shape)) for t in tensors)
+def _layout_error(hidden, index, gate_up, down, halves: int) -> ValueError:
+    shapes = ", ".join(str(tuple(t.shape)) for t in (hidden, index, gate_up, down))
+    rows = "2I" if halves == 2 else "I"
+    return ValueError(f"expected hidden_states (T, H), top_k_index (T, k), gate_up_proj (E, {rows}, H) and down_proj "
+                      f"(E, H, I); got {shapes}")
 
 
 # ------------------------------------------------------------------------------ transformers backend
@@ -282,59 +294,60 @@ GATE_FORMS = {
 
 @dataclass(frozen=True)
 class Operands:
-    """What :func:`experts_forward` takes for a transformers experts module: gate_up (E, 2I, H), down (E, H, I),
-    their biases ((E, 2I), (E, H) or None) and the gate."""
+    """What :func:`experts_forward` takes for a transformers experts module: gate_up (E, 2I, H) (ungated experts: the
+    up projection, (E, I, H)), down (E, H, I), their biases ((E, 2I or I), (E, H) or None) and the activation."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
-    glu: Glu
+    act: Activation
 
 
 def computes_experts(experts: torch.nn.Module) -> bool:
     """Whether :func:`flce_experts_forward` computes this experts module itself (else it hands it to transformers'
     grouped_mm): gate/up (E, 2I, H) and down (E, H, I) (or both stored transposed), optional biases, a SiLU gate
-    applied by transformers' default gate, or a :data:`GATE_FORMS` class's own gate."""
+    applied by transformers' default gate or a :data:`GATE_FORMS` class's own gate; or ungated experts (``up_proj``
+    (E, I, H)) with a relu2 ``act_fn``."""
     return _operands(experts) is not None
 
 
 def _operands(experts: torch.nn.Module) -> Operands | None:
     """The :class:`Operands` of this module, or None where flce does not compute it; every check made once (a
     layer call's host path)."""
-    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+    gated = getattr(experts, "has_gate", True)
+    first, down = getattr(experts, "gate_up_proj" if gated else "up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(first, torch.Tensor) and isinstance(down, torch.Tensor)):
         return None
     if getattr(experts, "experts_are_transposed", False) or getattr(experts, "has_post_expert_norm", False):
         return None
-    if not getattr(experts, "has_gate", True):
-        return None
-    biases = _biases(experts)
-    glu = _module_glu(experts)
-    if biases is None or glu is None:
+    biases = _biases(experts, "gate_up_proj_bias" if gated else "up_proj_bias")
+    act = _module_activation(experts) if gated else (RELU2 if _is_relu2(getattr(experts, "act_fn", None)) else None)
+    if biases is None or act is None:
         return None
     if getattr(experts, "is_transposed", False):  # stored (E, H, 2I) and (E, I, H): their transposed views
-        gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
-    num_experts, two_inter, hidden = gate_up.shape if gate_up.dim() == 3 else (0, 1, 0)
-    if not (two_inter % 2 == 0 and down.dim() == 3 and tuple(down.shape) == (num_experts, hidden, two_inter // 2)
-            and all(b is None or tuple(b.shape) == (num_experts, n) for b, n in zip(biases, (two_inter, hidden)))):
+        first, down = first.transpose(-1, -2), down.transpose(-1, -2)
+    halves = 2 if gated else 1
+    num_experts, rows, hidden = first.shape if first.dim() == 3 else (0, 1, 0)
+    if not (rows % halves == 0 and down.dim() == 3 and tuple(down.shape) == (num_experts, hidden, rows // halves)
+            and all(b is None or tuple(b.shape) == (num_experts, n) for b, n in zip(biases, (rows, hidden)))):
         return None
-    return Operands(gate_up, down, *biases, glu)
+    return Operands(first, down, *biases, act)
 
 
-def _biases(experts: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-    """(gate_up_proj_bias, down_proj_bias) where the class has biases (both tensors), (None, None) where it has
-    none; None for anything else."""
-    biases = getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None)
+def _biases(experts: torch.nn.Module, first: str) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """(the first projection's bias (attribute ``first``), down_proj_bias) where the class has biases (both tensors),
+    (None, None) where it has none; None for anything else."""
+    biases = getattr(experts, first, None), getattr(experts, "down_proj_bias", None)
     if not getattr(experts, "has_bias", False):
         return (None, None) if biases == (None, None) else None
     return biases if all(isinstance(b, torch.Tensor) and b.dim() == 2 for b in biases) else None
 
 
-def _module_glu(experts: torch.nn.Module) -> Glu | None:
-    """The :class:`Glu` the module's gate computes (checked on a probe for a class's own gate), or None."""
+def _module_activation(experts: torch.nn.Module) -> Activation | None:
+    """The :class:`Activation` the module's gate computes (checked on a probe for a class's own gate), or None."""
     if not _own_gate(experts):  # transformers' default: act_fn(gate) * up of the two halves
-        return Glu() if _is_silu(getattr(experts, "act_fn", None)) else None
+        return Activation() if _is_silu(getattr(experts, "act_fn", None)) else None
     form = _gate_form(experts)
     if form is None or not (form.activation_in_code or _is_silu(getattr(experts, "act_fn", None))):
         return None
@@ -342,8 +355,8 @@ def _module_glu(experts: torch.nn.Module) -> Glu | None:
     alpha = getattr(experts, form.alpha_attr, None) if form.alpha_attr else 1.0
     if not (_valid_limit(limit) and _finite_number(alpha)):
         return None
-    glu = Glu(limit, float(alpha), form.up_offset, not getattr(experts, "is_concatenated", True))
-    return glu if _gate_agrees(experts, glu) else None
+    act = Activation(limit, float(alpha), form.up_offset, not getattr(experts, "is_concatenated", True))
+    return act if _gate_agrees(experts, act) else None
 
 
 def _own_gate(experts: torch.nn.Module) -> bool:
@@ -358,24 +371,24 @@ def _gate_form(experts: torch.nn.Module) -> GateForm | None:
     return GATE_FORMS.get(owner.__name__) if owner is not None else None
 
 
-_GATES_CHECKED: dict[tuple[type, Glu], bool] = {}
+_GATES_CHECKED: dict[tuple[type, Activation], bool] = {}
 
 
 @compile_disabled  # a check on CPU tensors, once per class: never part of a compiled graph
-def _gate_agrees(experts: torch.nn.Module, glu: Glu) -> bool:
-    """Whether a class's own ``_apply_gate`` gives ``glu`` on values on both sides of its limit, checked once per
+def _gate_agrees(experts: torch.nn.Module, act: Activation) -> bool:
+    """Whether a class's own ``_apply_gate`` gives ``act`` on values on both sides of its limit, checked once per
     class and form: a class whose gate changes under the same name (another transformers) then falls back to its
     own implementation instead of being computed as something else."""
-    key = (type(experts), glu)
+    key = (type(experts), act)
     if key not in _GATES_CHECKED:
-        scale = 2.0 * (glu.limit if glu.limit is not None else 4.0)
+        scale = 2.0 * (act.limit if act.limit is not None else 4.0)
         probe = (torch.rand(4, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1) * scale  # (S, 2I)
         with torch.no_grad():
             try:
                 theirs = experts._apply_gate(probe)
             except Exception:  # noqa: BLE001 - a gate that cannot run on a CPU float32 probe is not one flce knows
                 theirs = None
-            ours = swiglu_torch(probe, probe.new_zeros(1), glu)
+            ours = activation_torch(probe, probe.new_zeros(1), act)
         _GATES_CHECKED[key] = (isinstance(theirs, torch.Tensor) and theirs.shape == ours.shape
                                and torch.allclose(theirs.float(), ours, rtol=1e-5, atol=1e-6))
     return _GATES_CHECKED[key]
@@ -383,6 +396,10 @@ def _gate_agrees(experts: torch.nn.Module, glu: Glu) -> bool:
 
 def _is_silu(act) -> bool:
     return act is torch.nn.functional.silu or type(act).__name__ in ("SiLU", "SiLUActivation")
+
+
+def _is_relu2(act) -> bool:
+    return type(act).__name__ == "ReLUSquaredActivation"  # transformers' "relu2": relu(x) ** 2
 
 
 def flce_experts_forward(
@@ -398,11 +415,11 @@ def flce_experts_forward(
     """
     ops = _operands(self)
     if ops is not None and ops.gate_up.shape[2] == hidden_states.shape[-1]:
-        glu = ops.glu
+        act = ops.act
         return experts_forward(hidden_states, top_k_index, top_k_weights, ops.gate_up, ops.down,
-                               swiglu_limit=glu.limit, swiglu_alpha=glu.alpha, swiglu_up_offset=glu.up_offset,
-                               interleaved=glu.interleaved, gate_up_proj_bias=ops.gate_up_bias,
-                               down_proj_bias=ops.down_bias)
+                               swiglu_limit=act.limit, swiglu_alpha=act.alpha, swiglu_up_offset=act.up_offset,
+                               interleaved=act.interleaved, gate_up_proj_bias=ops.gate_up_bias,
+                               down_proj_bias=ops.down_bias, activation=act.kind)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     fallback = ALL_EXPERTS_FUNCTIONS.get("grouped_mm") or type(self).forward.__wrapped__

@@ -19,7 +19,8 @@ GEMM paths (see ``experts_triton`` / ``experts_torch``):
   (nothing is timed while capturing or compiling). Run one step before capturing (Triton's own
   autotuning needs that too).
 
-Elementwise stages (SwiGLU, combine, the biases' per-expert sums) use Triton on CUDA and torch elsewhere unless told otherwise.
+Elementwise stages (the activation, combine, the biases' per-expert sums) use Triton on CUDA and torch elsewhere
+unless told otherwise.
 """
 
 from __future__ import annotations
@@ -235,13 +236,13 @@ def resolve_elementwise(backend: str, device: torch.device, dtype: torch.dtype) 
 
 
 def elementwise_ops(backend: str) -> dict[str, Callable]:
-    """swiglu, swiglu_backward, combine, combine_backward, expert_sums for a resolved backend."""
+    """activation, activation_backward, combine, combine_backward, expert_sums for a resolved backend."""
     if backend == "triton":
         from . import experts_triton as k
 
-        return {"swiglu": k.swiglu_triton, "swiglu_backward": k.swiglu_backward_triton,
+        return {"activation": k.activation_triton, "activation_backward": k.activation_backward_triton,
                 "combine": k.combine_triton, "combine_backward": k.combine_backward_triton,
                 "expert_sums": k.expert_sums_triton}
-    return {"swiglu": twin.swiglu_torch, "swiglu_backward": twin.swiglu_backward_torch,
+    return {"activation": twin.activation_torch, "activation_backward": twin.activation_backward_torch,
             "combine": twin.combine_torch, "combine_backward": twin.combine_backward_torch,
             "expert_sums": twin.expert_sums_torch}

@@ -69,26 +69,36 @@ def grouped_wgrad_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) ->
 
 
 @dataclass(frozen=True)
-class Glu:
-    """The gated activation ``act(gate) * (up + up_offset)``, ``act(g) = g * sigmoid(alpha * g)`` (SiLU at alpha 1),
-    of the two halves of the gate/up projection h (S, 2I): gate columns first (``interleaved``: gate and up
-    alternating, GPT-OSS's layout). With ``limit`` the gate is first clamped to at most limit and the up projection
-    to [-limit, limit] (DeepSeek-V4's ``swiglu_limit``; GPT-OSS's with alpha 1.702 and up_offset 1)."""
+class Activation:
+    """What the experts compute between their two projections, from the first one's output h.
+
+    kind "swiglu": ``act(gate) * (up + up_offset)``, ``act(g) = g * sigmoid(alpha * g)`` (SiLU at alpha 1), of the two
+    halves of h (S, 2I): gate columns first (``interleaved``: gate and up alternating, GPT-OSS's layout). With
+    ``limit`` the gate is first clamped to at most limit and the up projection to [-limit, limit] (DeepSeek-V4's
+    ``swiglu_limit``; GPT-OSS's with alpha 1.702 and up_offset 1).
+    kind "relu2": ``relu(h) ** 2`` of h (S, I), no gate (Nemotron-H's experts); the other fields keep their defaults.
+    """
 
     limit: float | None = None
     alpha: float = 1.0
     up_offset: float = 0.0
     interleaved: bool = False
+    kind: str = "swiglu"
+
+    @property
+    def gated(self) -> bool:
+        return self.kind == "swiglu"
 
 
-SWIGLU = Glu()
+SWIGLU = Activation()
+RELU2 = Activation(kind="relu2")
 
 
-def _gate_up(h: torch.Tensor, glu: Glu, bias: torch.Tensor | None,
+def _gate_up(h: torch.Tensor, act: Activation, bias: torch.Tensor | None,
              row_experts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (gate, up) halves of h in float32 (float64 for float64), plus each row's expert's bias."""
     h = _biased(h.to(_acc_dtype(h.dtype)), bias, row_experts, None)
-    return (h[:, 0::2], h[:, 1::2]) if glu.interleaved else h.chunk(2, dim=-1)
+    return (h[:, 0::2], h[:, 1::2]) if act.interleaved else h.chunk(2, dim=-1)
 
 
 def _clamped(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,30 +107,38 @@ def _clamped(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> tuple
     return gate.clamp(max=limit), up.clamp(-limit, limit)
 
 
-def swiglu_torch(h: torch.Tensor, n_valid: torch.Tensor, glu: Glu = SWIGLU, bias: torch.Tensor | None = None,
-                 row_experts: torch.Tensor | None = None) -> torch.Tensor:
-    """:class:`Glu` of h (S, 2I) -> (S, I) in h's dtype. bias: (E, 2I) added to each row's expert's projection
-    (``row_experts`` (S,) int64, the expert of each row). (``n_valid`` is the Triton twin's row limit; here every
-    row is computed, rows past it being don't-cares.)"""
-    gate, up = _clamped(*_gate_up(h, glu, bias, row_experts), glu.limit)
-    return (gate * torch.sigmoid(glu.alpha * gate) * (up + glu.up_offset)).to(h.dtype)
+def activation_torch(h: torch.Tensor, n_valid: torch.Tensor, act: Activation = SWIGLU,
+                     bias: torch.Tensor | None = None, row_experts: torch.Tensor | None = None) -> torch.Tensor:
+    """:class:`Activation` of h (S, 2I) (relu2: (S, I)) -> (S, I) in h's dtype. bias: (E, 2I) (relu2: (E, I)) added to
+    each row's expert's projection (``row_experts`` (S,) int64, the expert of each row). (``n_valid`` is the Triton
+    twin's row limit; here every row is computed, rows past it being don't-cares.)"""
+    if not act.gated:
+        return torch.relu(_biased(h.to(_acc_dtype(h.dtype)), bias, row_experts, None)).square().to(h.dtype)
+    gate, up = _clamped(*_gate_up(h, act, bias, row_experts), act.limit)
+    gated = F.silu(gate) if act.alpha == 1.0 else gate * torch.sigmoid(act.alpha * gate)  # SiLU as torch rounds it
+    return (gated * (up + act.up_offset if act.up_offset else up)).to(h.dtype)
 
 
-def swiglu_backward_torch(h: torch.Tensor, da: torch.Tensor, n_valid: torch.Tensor, glu: Glu = SWIGLU,
-                          bias: torch.Tensor | None = None,
-                          row_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dh (S, 2I), a (S, I)) from h (S, 2I) and da (S, I); ``a`` is written over ``da``."""
-    gate_in, up_in = _gate_up(h, glu, bias, row_experts)
-    gate, up = _clamped(gate_in, up_in, glu.limit)
+def activation_backward_torch(h: torch.Tensor, da: torch.Tensor, n_valid: torch.Tensor, act: Activation = SWIGLU,
+                              bias: torch.Tensor | None = None,
+                              row_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh, a (S, I)) from h and da (S, I), dh shaped as h; ``a`` is written over ``da``."""
+    if not act.gated:
+        positive = torch.relu(_biased(h.to(_acc_dtype(h.dtype)), bias, row_experts, None))
+        dh = (da.to(positive.dtype) * 2 * positive).to(h.dtype)
+        da.copy_(positive.square())
+        return dh, da
+    gate_in, up_in = _gate_up(h, act, bias, row_experts)
+    gate, up = _clamped(gate_in, up_in, act.limit)
     grad = da.to(gate.dtype)
-    sig = torch.sigmoid(glu.alpha * gate)
-    act, up = gate * sig, up + glu.up_offset
-    d_gate, d_up = grad * up * sig * (1 + glu.alpha * gate * (1 - sig)), grad * act
-    if glu.limit is not None:  # a clamped input gets no gradient (torch's clamp passes it where min <= x <= max)
-        d_gate = torch.where(gate_in <= glu.limit, d_gate, 0.0)
-        d_up = torch.where((up_in >= -glu.limit) & (up_in <= glu.limit), d_up, 0.0)
-    pair = torch.stack([d_gate, d_up], dim=-1).flatten(1) if glu.interleaved else torch.cat([d_gate, d_up], dim=-1)
-    da.copy_(act * up)
+    sig = torch.sigmoid(act.alpha * gate)
+    gated, up = gate * sig, up + act.up_offset
+    d_gate, d_up = grad * up * sig * (1 + act.alpha * gate * (1 - sig)), grad * gated
+    if act.limit is not None:  # a clamped input gets no gradient (torch's clamp passes it where min <= x <= max)
+        d_gate = torch.where(gate_in <= act.limit, d_gate, 0.0)
+        d_up = torch.where((up_in >= -act.limit) & (up_in <= act.limit), d_up, 0.0)
+    pair = torch.stack([d_gate, d_up], dim=-1).flatten(1) if act.interleaved else torch.cat([d_gate, d_up], dim=-1)
+    da.copy_(gated * up)
     return pair.to(h.dtype), da
 
 

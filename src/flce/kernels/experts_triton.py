@@ -10,7 +10,8 @@ captured in a CUDA graph:
   ``offsets`` and tiles past the last expert return at once.
 - ``grouped_wgrad_triton``: ``out[e] = a_e^T @ b_e``, one program per output tile and expert, the
   reduction running over that expert's rows (zero rows give a zero gradient).
-- SwiGLU forward / backward and the top-k combine (and its backward): memory-bound, float32 inside.
+- the activation (SwiGLU and its variants, relu2) forward / backward, the top-k combine (and its backward), the
+  biases' per-expert sums: memory-bound, float32 inside.
 
 On CUDA the GEMM tile sizes are autotuned per problem size; under the CPU interpreter (tests) one small
 fixed configuration runs.
@@ -26,7 +27,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from . import nvidia_major
-from .experts_torch import SWIGLU, Glu
+from .experts_torch import SWIGLU, Activation
 
 try:  # host-side TMA descriptors: triton 3.4+
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -430,38 +431,72 @@ def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, n_valid_ptr, bias_ptr, experts_ptr
     tl.store(da_ptr + row * stride_da + cols, (act * up).to(da_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_triton(h: torch.Tensor, n_valid: torch.Tensor, glu: Glu = SWIGLU, bias: torch.Tensor | None = None,
-                  row_experts: torch.Tensor | None = None) -> torch.Tensor:
-    """:class:`Glu` of h (S, 2I) (unit column stride) -> (S, I); bias (E, 2I) (unit column stride) added to each
-    row's expert's projection (``row_experts`` (S,) int64). Rows at or past ``n_valid`` ((1,) int32 on the device)
-    are skipped (left unwritten)."""
-    rows, inter = h.shape[0], h.shape[1] // 2
+@triton.jit
+def _relu2_kernel(h_ptr, a_ptr, n_valid_ptr, bias_ptr, experts_ptr, I, stride_h, stride_a, stride_bias,
+                  HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if row >= tl.load(n_valid_ptr):
+        return
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    h = _biased_row(h_ptr + row * stride_h, cols, mask, bias_ptr, experts_ptr + row, stride_bias, HAS_BIAS)
+    positive = tl.maximum(h, 0.0)
+    tl.store(a_ptr + row * stride_a + cols, (positive * positive).to(a_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _relu2_bwd_kernel(h_ptr, da_ptr, dh_ptr, n_valid_ptr, bias_ptr, experts_ptr, I, stride_h, stride_da, stride_dh,
+                      stride_bias, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if row >= tl.load(n_valid_ptr):
+        return
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    h = _biased_row(h_ptr + row * stride_h, cols, mask, bias_ptr, experts_ptr + row, stride_bias, HAS_BIAS)
+    positive = tl.maximum(h, 0.0)
+    da = tl.load(da_ptr + row * stride_da + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dh_ptr + row * stride_dh + cols, (2.0 * da * positive).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(da_ptr + row * stride_da + cols, (positive * positive).to(da_ptr.dtype.element_ty), mask=mask)
+
+
+def activation_triton(h: torch.Tensor, n_valid: torch.Tensor, act: Activation = SWIGLU,
+                      bias: torch.Tensor | None = None, row_experts: torch.Tensor | None = None) -> torch.Tensor:
+    """:class:`Activation` of h (S, 2I) (relu2: (S, I)) (unit column stride) -> (S, I); bias (E, 2I) (relu2: (E, I))
+    (unit column stride) added to each row's expert's projection (``row_experts`` (S,) int64). Rows at or past
+    ``n_valid`` ((1,) int32 on the device) are skipped (left unwritten)."""
+    rows, inter = h.shape[0], h.shape[1] // 2 if act.gated else h.shape[1]
     a = torch.empty(rows, inter, dtype=h.dtype, device=h.device)
     if a.numel():
-        _swiglu_kernel[(rows, triton.cdiv(inter, _BLOCK))](
-            h, a, n_valid, *_bias_args(bias, row_experts, h), inter, h.stride(0), a.stride(0), _bias_stride(bias),
-            *_glu_args(glu), HAS_LIMIT=glu.limit is not None, HAS_BIAS=bias is not None,
-            INTERLEAVED=glu.interleaved, BLOCK=_BLOCK)
+        grid = (rows, triton.cdiv(inter, _BLOCK))
+        common = (*_bias_args(bias, row_experts, h), inter, h.stride(0), a.stride(0), _bias_stride(bias))
+        if act.gated:
+            _swiglu_kernel[grid](h, a, n_valid, *common, *_glu_args(act), HAS_LIMIT=act.limit is not None,
+                                 HAS_BIAS=bias is not None, INTERLEAVED=act.interleaved, BLOCK=_BLOCK)
+        else:
+            _relu2_kernel[grid](h, a, n_valid, *common, HAS_BIAS=bias is not None, BLOCK=_BLOCK)
     return a
 
 
-def swiglu_backward_triton(h: torch.Tensor, da: torch.Tensor, n_valid: torch.Tensor, glu: Glu = SWIGLU,
-                           bias: torch.Tensor | None = None,
-                           row_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dh (S, 2I), a (S, I)) from h (S, 2I) and da (S, I); ``a`` is written over ``da``; rows past n_valid skipped."""
+def activation_backward_triton(h: torch.Tensor, da: torch.Tensor, n_valid: torch.Tensor, act: Activation = SWIGLU,
+                               bias: torch.Tensor | None = None,
+                               row_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh, a (S, I)) from h and da (S, I), dh shaped as h; ``a`` is written over ``da``; rows past n_valid skipped."""
     rows, inter = da.shape
-    dh = torch.empty(rows, 2 * inter, dtype=h.dtype, device=h.device)
+    dh = torch.empty(rows, h.shape[1], dtype=h.dtype, device=h.device)
     if da.numel():
-        _swiglu_bwd_kernel[(rows, triton.cdiv(inter, _BLOCK))](
-            h, da, dh, n_valid, *_bias_args(bias, row_experts, h), inter, h.stride(0), da.stride(0), dh.stride(0),
-            _bias_stride(bias), *_glu_args(glu), HAS_LIMIT=glu.limit is not None, HAS_BIAS=bias is not None,
-            INTERLEAVED=glu.interleaved, BLOCK=_BLOCK)
+        grid = (rows, triton.cdiv(inter, _BLOCK))
+        common = (*_bias_args(bias, row_experts, h), inter, h.stride(0), da.stride(0), dh.stride(0), _bias_stride(bias))
+        if act.gated:
+            _swiglu_bwd_kernel[grid](h, da, dh, n_valid, *common, *_glu_args(act), HAS_LIMIT=act.limit is not None,
+                                     HAS_BIAS=bias is not None, INTERLEAVED=act.interleaved, BLOCK=_BLOCK)
+        else:
+            _relu2_bwd_kernel[grid](h, da, dh, n_valid, *common, HAS_BIAS=bias is not None, BLOCK=_BLOCK)
     return dh, da
 
 
-def _glu_args(glu: Glu) -> tuple[float, float, float]:
+def _glu_args(act: Activation) -> tuple[float, float, float]:
     # floats either way (no limit: 0.0), so that a form's values do not each compile a kernel
-    return 0.0 if glu.limit is None else float(glu.limit), float(glu.alpha), float(glu.up_offset)
+    return 0.0 if act.limit is None else float(act.limit), float(act.alpha), float(act.up_offset)
 
 
 def _bias_args(bias: torch.Tensor | None, row_experts: torch.Tensor | None, placeholder: torch.Tensor):
