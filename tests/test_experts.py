@@ -392,8 +392,9 @@ def test_a_listed_gate_is_checked_against_flce_s_swiglu(monkeypatch):
     assert rel_err(got, flce.experts_forward(x, ids, weights, gate_up, down, swiglu_limit=0.5)) > 1e-2
 
 
-FAMILY_FORMS = {"deepseek_v4": "limit", "hy_v4": "swiglu_limit", "beam": None, "lfm2_moe": None, "aria_text": None,
-                "gpt_oss": "limit", "minimax_m3_vl_text": "swiglu_limit", "nemotron_h": None}  # -> the clamp's attribute
+FAMILY_FORMS = {  # model type -> the attribute holding its clamp limit
+    "deepseek_v4": "limit", "hy_v4": "swiglu_limit", "beam": None, "lfm2_moe": None, "aria_text": None,
+    "gpt_oss": "limit", "minimax_m3_vl_text": "swiglu_limit", "nemotron_h": None}
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILY_FORMS))
