@@ -39,7 +39,9 @@ def test_zoo_entry_fuses_exactly_or_is_refused(model_type):
     if SAME_RELEASE:
         recorded = RECORDED.get(model_type)
         assert recorded is not None, f"{model_type} is new in this transformers: {REGENERATE}"
-        assert (verdict.kind, verdict.reason) == (recorded["verdict"], recorded["reason"]), REGENERATE
+        assert verdict.kind == recorded["verdict"], REGENERATE
+        if verdict.kind != "cannot_run":  # why an entry cannot run here depends on what else is installed (timm)
+            assert verdict.reason == recorded["reason"], REGENERATE
     if verdict.kind == "refused":
         assert verdict.reason.startswith(f"flce cannot fuse {ZOO[model_type]}: "), verdict.reason
     if verdict.kind == "cannot_run":

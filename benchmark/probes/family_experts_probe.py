@@ -57,9 +57,10 @@ def layer(family: str, shape: str):
     module, config, spread = FAMILIES[family][0](hidden, inter, experts, top_k)
     module = module.to("cuda", torch.bfloat16)
     with torch.no_grad():
-        module.gate_up_proj.normal_(std=hidden**-0.5 * spread)
+        first = module.gate_up_proj if hasattr(module, "gate_up_proj") else module.up_proj  # ungated: up_proj
+        first.normal_(std=hidden**-0.5 * spread)
         module.down_proj.normal_(std=inter**-0.5)
-        for name in ("gate_up_proj_bias", "down_proj_bias"):
+        for name in ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
             if isinstance(getattr(module, name, None), torch.Tensor):
                 getattr(module, name).normal_(std=0.1)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
