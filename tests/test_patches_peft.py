@@ -1,6 +1,7 @@
 """PEFT heads, fused and exact against the unfused PEFT model (adapter gradients included): a LoRA head
 (fp32, bf16, with dropout, with a bias, two adapters at once), a DoRA head (with and without dropout),
-``modules_to_save=["lm_head"]``; an adapter flce cannot read is refused by name."""
+``modules_to_save=["lm_head"]``; an adapter flce cannot read is refused by name; LoRA on the experts' 3-D weights
+through flce's experts."""
 
 import pytest
 import torch
@@ -98,3 +99,20 @@ def test_an_adapter_variant_flce_cannot_read_is_refused_by_name():
     _head(peft_model).lora_variant["default"] = SomeVariant()
     with pytest.raises(ValueError, match="adapter 'default' is a SomeVariant"):
         flce.apply_flce_patch(peft_model)
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral"])
+def test_lora_on_the_experts_parameters_trains_through_flce_s_experts(family, monkeypatch):
+    """LoRA on the 3-D expert weights (``target_parameters``, as PEFT's MoE recipes do) wraps the experts module in a
+    parametrization; the patch still switches it to flce's experts, which read the adapted weights, and the step
+    (adapter gradients included) matches the unpatched model's own experts."""
+    if "target_parameters" not in peft.LoraConfig.__dataclass_fields__:
+        pytest.skip(f"peft {peft.__version__} cannot target parameters")
+    calls = []
+    fused = flce.experts.experts_forward
+    monkeypatch.setattr(flce.experts, "experts_forward", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    peft_model = _peft(tiny_model(family), target_modules=[],
+                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    grads = _assert_fused_matches(peft_model)
+    assert calls, "the patched step did not run flce's experts"
+    assert sum("lora_A" in n for n in grads) == sum("lora_B" in n for n in grads) >= 4  # both weights, every layer
