@@ -870,3 +870,24 @@ def test_loop_path_reads_the_offsets_once_per_layer_call(monkeypatch):
     second = experts_torch.grouped_rows_loop(a, w, offsets)
     assert torch.equal(second[:4], a[:4] @ w[0]) and torch.equal(second[4:], a[4:] @ w[2])
     assert not torch.equal(first, second)
+
+
+def test_a_parametrized_module_s_gate_is_checked_once(monkeypatch):
+    """PEFT's LoRA on the expert weights registers a parametrization at every forward, which gives the module a new
+    type each time: GPT-OSS's gate is still checked once (kept by the class that defines it), not at every step."""
+    peft = pytest.importorskip("peft")
+    hf_zoo = pytest.importorskip("hf_zoo")
+    if "gpt_oss" not in hf_zoo.ZOO or "target_parameters" not in peft.LoraConfig.__dataclass_fields__:
+        pytest.skip("needs transformers' gpt_oss and a peft that targets parameters")
+    monkeypatch.setattr(fx, "_GATES_CHECKED", {})
+    types = set()
+    check = fx._gate_agrees
+    monkeypatch.setattr(fx, "_gate_agrees", lambda experts, *args: types.add(type(experts)) or check(experts, *args))
+    model = hf_zoo.build("gpt_oss")
+    model.set_experts_implementation("flce")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=[],
+                                                       target_parameters=["mlp.experts.gate_up_proj"]))
+    for _ in range(3):
+        model(input_ids=torch.randint(0, model.config.vocab_size, (1, 5)))
+    assert len(types) > 1  # the premise: the module's type changed between steps
+    assert [owner.__name__ for owner, _ in fx._GATES_CHECKED] == ["GptOssExperts"]

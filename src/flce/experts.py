@@ -348,7 +348,8 @@ def _module_activation(experts: torch.nn.Module) -> Activation | None:
     """The :class:`Activation` the module's gate computes (checked on a probe for a class's own gate), or None."""
     if not _own_gate(experts):  # transformers' default: act_fn(gate) * up of the two halves
         return Activation() if _is_silu(getattr(experts, "act_fn", None)) else None
-    form = _gate_form(experts)
+    owner = next(c for c in type(experts).__mro__ if "_apply_gate" in c.__dict__)  # the class that defines it
+    form = GATE_FORMS.get(owner.__name__)
     if form is None or not (form.activation_in_code or _is_silu(getattr(experts, "act_fn", None))):
         return None
     limit = getattr(experts, form.limit_attr, None) if form.limit_attr else None
@@ -356,7 +357,7 @@ def _module_activation(experts: torch.nn.Module) -> Activation | None:
     if not (_valid_limit(limit) and _finite_number(alpha)):
         return None
     act = Activation(limit, float(alpha), form.up_offset, not getattr(experts, "is_concatenated", True))
-    return act if _gate_agrees(experts, act) else None
+    return act if _gate_agrees(experts, owner, act) else None
 
 
 def _own_gate(experts: torch.nn.Module) -> bool:
@@ -365,21 +366,17 @@ def _own_gate(experts: torch.nn.Module) -> bool:
     return gate is not None and gate.__name__ != "_default_apply_gate"
 
 
-def _gate_form(experts: torch.nn.Module) -> GateForm | None:
-    """The GATE_FORMS entry of the class that defines the module's own ``_apply_gate`` (None: not listed)."""
-    owner = next((c for c in type(experts).__mro__ if "_apply_gate" in c.__dict__), None)
-    return GATE_FORMS.get(owner.__name__) if owner is not None else None
-
-
 _GATES_CHECKED: dict[tuple[type, Activation], bool] = {}
 
 
 @compile_disabled  # a check on CPU tensors, once per class: never part of a compiled graph
-def _gate_agrees(experts: torch.nn.Module, act: Activation) -> bool:
+def _gate_agrees(experts: torch.nn.Module, owner: type, act: Activation) -> bool:
     """Whether a class's own ``_apply_gate`` gives ``act`` on values on both sides of its limit, checked once per
     class and form: a class whose gate changes under the same name (another transformers) then falls back to its
-    own implementation instead of being computed as something else."""
-    key = (type(experts), act)
+    own implementation instead of being computed as something else. Kept by ``owner``, the class that defines the
+    gate, not the module's type: a parametrization (PEFT's LoRA on the weights) gives the module a new type at
+    every registration."""
+    key = (owner, act)
     if key not in _GATES_CHECKED:
         scale = 2.0 * (act.limit if act.limit is not None else 4.0)
         probe = (torch.rand(4, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1) * scale  # (S, 2I)
