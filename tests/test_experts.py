@@ -81,7 +81,8 @@ def make_biases(gate_up, down, grid=False) -> dict:
 
 
 def loop_reference(x, ids, weights, gate_up, down, swiglu_limit=None, swiglu_alpha=1.0, swiglu_up_offset=0.0,
-                   interleaved=False, gate_up_proj_bias=None, down_proj_bias=None, activation="swiglu"):
+                   interleaved=False, gate_up_proj_bias=None, down_proj_bias=None, activation="swiglu",
+                   swiglu_gate_softcap=None, swiglu_up_softcap=None):
     """Float64 per-expert loop (transformers' eager algorithm, with the gate forms and biases experts_forward
     takes); returns (out, float64 leaves: x, weights, gate_up, down and the biases given)."""
     given = {k: b for k, b in (("gate_up", gate_up_proj_bias), ("down", down_proj_bias)) if b is not None}
@@ -99,7 +100,10 @@ def loop_reference(x, ids, weights, gate_up, down, swiglu_limit=None, swiglu_alp
             gate, up = (h[:, 0::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)
             if swiglu_limit is not None:
                 gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
-            act = gate * torch.sigmoid(swiglu_alpha * gate) * (up + swiglu_up_offset)
+            gate_cap, up_cap = swiglu_gate_softcap, swiglu_up_softcap
+            factor = gate if gate_cap is None else gate_cap * torch.tanh(gate / gate_cap)
+            up = up if up_cap is None else up_cap * torch.tanh(up / up_cap)
+            act = factor * torch.sigmoid(swiglu_alpha * gate) * (up + swiglu_up_offset)
         y = act @ d64[e].T + (b_d[e] if b_d is not None else 0)
         out = out.index_add(0, tok, y * w64[tok, choice, None])
     return out, leaves
@@ -151,6 +155,7 @@ FORMS = {  # gate forms and biases beyond SwiGLU: (experts_forward's keywords, w
     "biases": ({}, True),
     "alpha_offset": ({"swiglu_alpha": 0.75, "swiglu_up_offset": -0.5}, False),
     "interleaved": ({"interleaved": True}, False),
+    "softcaps": ({"swiglu_gate_softcap": 0.5, "swiglu_up_softcap": 0.7}, False),  # Inkling-2's, biting at ~0.6
     "relu2": ({"activation": "relu2"}, False),  # Nemotron-H: no gate, gate_up_proj is up_proj (E, I, H)
     "relu2_biases": ({"activation": "relu2"}, True),
 }
@@ -392,24 +397,27 @@ def test_a_listed_gate_is_checked_against_flce_s_swiglu(monkeypatch):
     assert rel_err(got, flce.experts_forward(x, ids, weights, gate_up, down, swiglu_limit=0.5)) > 1e-2
 
 
-FAMILY_FORMS = {  # model type -> the attribute holding its clamp limit
-    "deepseek_v4": "limit", "hy_v4": "swiglu_limit", "beam": None, "lfm2_moe": None, "aria_text": None,
-    "gpt_oss": "limit", "minimax_m3_vl_text": "swiglu_limit", "nemotron_h": None}
+FAMILY_FORMS = {  # model type -> {attribute path: (a value that bites on the tiny model, experts_forward's keyword)}
+    "deepseek_v4": {"limit": (0.05, "swiglu_limit")}, "hy_v4": {"swiglu_limit": (0.05, "swiglu_limit")},
+    "beam": {}, "lfm2_moe": {}, "aria_text": {}, "gpt_oss": {"limit": (0.05, "swiglu_limit")},
+    "minimax_m3_vl_text": {"swiglu_limit": (0.05, "swiglu_limit")}, "nemotron_h": {},
+    "inkling2_text": {"act_fn.gate_softcap.softcap": (0.05, "swiglu_gate_softcap"),
+                      "act_fn.up_softcap.softcap": (0.08, "swiglu_up_softcap")}}
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILY_FORMS))
 def test_families_with_their_own_gate_match_their_experts(model_type, monkeypatch):
     """The experts of families whose gate flce computes (a clamp, SwiGLU in float32, F.silu, GPT-OSS's gate and
-    biases, Nemotron-H's ungated relu2) or that store their weights transposed (Aria) run on flce and match the
-    class's own forward, the clamp set low enough to bite and biases made non-zero."""
+    biases, Inkling-2's softcaps, Nemotron-H's ungated relu2) or that store their weights transposed (Aria) run on
+    flce and match the class's own forward, clamps and caps set low enough to bite and biases made non-zero."""
     hf_zoo = pytest.importorskip("hf_zoo")
     if model_type not in hf_zoo.ZOO:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     model = hf_zoo.build(model_type)
     module = next(m for m in model.modules() if type(m).__name__.endswith("Experts") and fx.computes_experts(m))
-    limit_attr = FAMILY_FORMS[model_type]
-    if limit_attr:
-        setattr(module, limit_attr, 0.05)  # the tiny projections are ~0.1
+    for path, (value, _) in FAMILY_FORMS[model_type].items():  # the tiny projections are ~0.1
+        owner, name = path.rpartition(".")[::2]
+        setattr(fx._attr(module, owner) if owner else module, name, value)
     params = [module.gate_up_proj if hasattr(module, "gate_up_proj") else module.up_proj, module.down_proj]
     if getattr(module, "has_bias", False):
         params += [module.gate_up_proj_bias, module.down_proj_bias]
@@ -428,7 +436,7 @@ def test_families_with_their_own_gate_match_their_experts(model_type, monkeypatc
         xi = x.clone().requires_grad_()
         out = module(xi, ids, weights)
         results.append((out, *torch.autograd.grad(out.square().sum(), (xi, *params))))
-    assert calls and calls[0]["swiglu_limit"] == (0.05 if limit_attr else None)
+    assert calls and all(calls[0][keyword] == value for value, keyword in FAMILY_FORMS[model_type].values())
     names = ("output", "grad x", "grad gate_up", "grad down", "grad gate_up bias", "grad down bias")
     for name, got, want in zip(names, results[1], results[0]):
         assert_close(got, want, 1e-5, f"{model_type} {name}")
@@ -510,6 +518,8 @@ def test_route_pairs_sorts_stably_and_inverts():
     (lambda a: {**a, "down_proj_bias": torch.zeros(3, 8, dtype=torch.int64)}, TypeError),
     (lambda a: {**a, "down_proj_bias": torch.zeros(8, dtype=torch.float64)}, ValueError),
     (lambda a: {**a, "activation": "gelu"}, ValueError),
+    (lambda a: {**a, "swiglu_gate_softcap": 0.0}, ValueError),
+    (lambda a: {**a, "swiglu_up_softcap": float("nan")}, ValueError),
     (lambda a: {**a, "activation": "relu2"}, ValueError),  # gate_up_proj (E, 2I, H): relu2 takes (E, I, H)
     (lambda a: {**a, "activation": "relu2", "gate_up_proj": a["gate_up_proj"][:, :4], "swiglu_limit": 1.0},
      ValueError),

@@ -80,7 +80,7 @@ def test_zoo_sample_with_the_triton_backend(model_type):
 MOE_ON_FLCE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm4_moe", "granitemoe",
                "deepseek_v4", "hy_v4", "lfm2_moe", "aria_text",  # a clamped SwiGLU, F.silu, transposed weights
                "gpt_oss", "minimax_m3_vl_text",  # GPT-OSS's gate: alpha, up + 1, interleaved, biases
-               "nemotron_h"]  # ungated relu2
+               "nemotron_h", "inkling2_text", "inkling2_loop_text"]  # ungated relu2, softcapped SwiGLU
 MOE_KEPT = ["dbrx", "llama4_text", "jetmoe"]  # other layouts (no experts decorator)
 
 

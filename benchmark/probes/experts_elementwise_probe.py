@@ -1,6 +1,6 @@
 """Probe: the experts layer's elementwise kernels alone (SwiGLU forward / backward, combine and its backward, the
-biases' per-expert sums), plain SwiGLU against GPT-OSS's form (clamp, alpha, up + 1, interleaved, biases) and the
-ungated relu2, at GPT-OSS-20B's layer size. Median of 10 interleaved rounds of each kernel's median of 5 calls (CUDA
+biases' per-expert sums), plain SwiGLU against GPT-OSS's form (clamp, alpha, up + 1, interleaved, biases), Inkling-2's
+softcaps and the ungated relu2, at GPT-OSS-20B's layer size. Median of 10 interleaved rounds of each kernel's median of 5 calls (CUDA
 events). To compare two trees, run it on each (the kernels' signatures are those of 56d8612 on). GPU only:
 
     PYTHONPATH=src python benchmark/probes/experts_elementwise_probe.py [SxIxHxE]   # default 32768x2880x2880x32
@@ -34,11 +34,14 @@ def cases(rows: int, inter: int, hidden: int, experts: int) -> dict:
     weights = torch.rand(tokens, 4, device=dev)
     grad = torch.randn(tokens, hidden, device=dev, dtype=bf16)
     plain, gpt_oss = Activation(), Activation(7.0, 1.702, 1.0, True)
+    softcaps = Activation(gate_softcap=4.0, up_softcap=25.0)  # Inkling-2's
     return {
         "swiglu plain": lambda: k.activation_triton(h, n_valid, plain),
         "swiglu gpt_oss": lambda: k.activation_triton(h, n_valid, gpt_oss, bias, row_experts),
         "swiglu_backward plain": lambda: k.activation_backward_triton(h, da, n_valid, plain),
         "swiglu_backward gpt_oss": lambda: k.activation_backward_triton(h, da, n_valid, gpt_oss, bias, row_experts),
+        "swiglu softcaps": lambda: k.activation_triton(h, n_valid, softcaps),
+        "swiglu_backward softcaps": lambda: k.activation_backward_triton(h, da, n_valid, softcaps),
         "relu2": lambda: k.activation_triton(h[:, :inter], n_valid, RELU2),
         "relu2_backward": lambda: k.activation_backward_triton(h[:, :inter], da, n_valid, RELU2),
         "combine": lambda: k.combine_triton(y, pos, weights, n_valid, bf16),

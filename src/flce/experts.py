@@ -157,9 +157,11 @@ def experts_forward(
     gate_up_proj_bias: torch.Tensor | None = None,
     down_proj_bias: torch.Tensor | None = None,
     activation: str = "swiglu",
+    swiglu_gate_softcap: float | None = None,
+    swiglu_up_softcap: float | None = None,
 ) -> torch.Tensor:
     """SwiGLU mixture of experts: ``sum_j w[t, j] * down[e] @ (silu(gate[e] @ x_t) * (up[e] @ x_t))``, and the
-    variants transformers' MoE families use (a clamp, GPT-OSS's gate, biases, Nemotron-H's ungated relu2).
+    variants transformers' MoE families use (a clamp, GPT-OSS's gate, biases, softcaps, Nemotron-H's ungated relu2).
 
     Args:
         hidden_states: (T, H).
@@ -179,10 +181,13 @@ def experts_forward(
         gate_up_proj_bias: (E, 2I), down_proj_bias: (E, H): per-expert biases of the two projections, or None.
         activation: "swiglu" (the gated forms above) or "relu2": no gate, ``relu(up[e] @ x_t) ** 2``, gate_up_proj
             being the up projection alone, (E, I, H), and its bias (E, I) (Nemotron-H's experts).
+        swiglu_gate_softcap, swiglu_up_softcap: c: the gate factor becomes ``c * tanh(g / c)`` (the sigmoid still
+            sees g), the up projection ``c * tanh(up / c)`` (Inkling-2's softcapped SwiGLU); None: no cap.
     Returns:
         (T, H) in hidden_states' dtype.
     """
-    act = _activation(activation, swiglu_limit, swiglu_alpha, swiglu_up_offset, interleaved)
+    act = _activation(activation, swiglu_limit, swiglu_alpha, swiglu_up_offset, interleaved, swiglu_gate_softcap,
+                      swiglu_up_softcap)
     _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, 2 if act.gated else 1)
     biases = [_checked_bias(name, bias, rows, gate_up_proj) for name, bias, rows in (
         ("gate_up_proj_bias", gate_up_proj_bias, gate_up_proj.shape[1]),
@@ -196,20 +201,27 @@ def experts_forward(
                                  routes.perm, routes.pos, routes.offsets, routes.experts, dtype, gemm, ops, act)
 
 
-def _activation(kind, limit, alpha, up_offset, interleaved) -> Activation:
+def _activation(kind, limit, alpha, up_offset, interleaved, gate_softcap, up_softcap) -> Activation:
     if kind not in ("swiglu", "relu2"):
         raise ValueError(f"activation must be 'swiglu' or 'relu2', got {kind!r}")
-    if kind == "relu2" and (limit, alpha, up_offset, interleaved) != (None, 1.0, 0.0, False):
-        raise ValueError("activation='relu2' has no gate: swiglu_limit, swiglu_alpha, swiglu_up_offset and "
-                         "interleaved keep their defaults")
-    if not _valid_limit(limit):
-        raise ValueError(f"swiglu_limit must be a positive finite number or None, got {limit!r}")
+    if kind == "relu2" and (limit, alpha, up_offset, interleaved, gate_softcap, up_softcap) != (
+            None, 1.0, 0.0, False, None, None):
+        raise ValueError("activation='relu2' has no gate: the swiglu_* arguments and interleaved keep their defaults")
+    for name, value in (("swiglu_limit", limit), ("swiglu_gate_softcap", gate_softcap),
+                        ("swiglu_up_softcap", up_softcap)):
+        if not _valid_limit(value):
+            raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
     for name, value in (("swiglu_alpha", alpha), ("swiglu_up_offset", up_offset)):
         if not _finite_number(value):
             raise ValueError(f"{name} must be a finite number, got {value!r}")
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved must be a bool, got {interleaved!r}")
-    return Activation(None if limit is None else float(limit), float(alpha), float(up_offset), interleaved, kind)
+    return Activation(_float(limit), float(alpha), float(up_offset), interleaved, kind, _float(gate_softcap),
+                      _float(up_softcap))
+
+
+def _float(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def _checked_bias(name: str, bias: torch.Tensor | None, width: int, gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -266,18 +278,22 @@ def _layout_error(hidden, index, gate_up, down, halves: int) -> ValueError:
 
 @dataclass(frozen=True)
 class GateForm:
-    """An experts class whose own ``_apply_gate`` flce computes: the attributes holding its clamp limit and its
-    alpha (None: no clamp, alpha 1), the offset added to the up projection, and whether the activation is written
-    in its code (else its ``act_fn`` must be SiLU). Gate and up alternate where the class is not
-    ``is_concatenated``."""
+    """An experts class whose own ``_apply_gate`` flce computes: the attributes (dotted paths from the module) holding
+    its clamp limit, its alpha and its two softcaps (None: no clamp, alpha 1, no caps), the offset added to the up
+    projection, and whether the activation is written in its code (else its ``act_fn`` must be SiLU). Gate and up
+    alternate where the class is not ``is_concatenated``."""
 
     limit_attr: str | None = None
     alpha_attr: str | None = None
     up_offset: float = 0.0
     activation_in_code: bool = False
+    gate_softcap_attr: str | None = None
+    up_softcap_attr: str | None = None
 
 
 _GPT_OSS = GateForm(limit_attr="limit", alpha_attr="alpha", up_offset=1.0, activation_in_code=True)
+_INKLING2 = GateForm(activation_in_code=True, gate_softcap_attr="act_fn.gate_softcap.softcap",
+                     up_softcap_attr="act_fn.up_softcap.softcap")
 
 # The ``_apply_gate`` overrides flce computes, by class name (a new one is an entry; each is checked numerically at
 # first use, and the zoo's verdicts compare each family's training step on flce's experts with its own):
@@ -289,6 +305,8 @@ GATE_FORMS = {
     "OpenAIPrivacyFilterExperts": _GPT_OSS,  # the same, concatenated
     "MiniMaxM3VLExperts": GateForm(limit_attr="swiglu_limit", alpha_attr="swiglu_alpha", up_offset=1.0,
                                    activation_in_code=True),  # the same, concatenated, no bias
+    "Inkling2Experts": _INKLING2,  # softcap(gate) * sigmoid(gate) * softcap(up) in float32
+    "Inkling2LoopExperts": _INKLING2,
 }
 
 
@@ -352,12 +370,21 @@ def _module_activation(experts: torch.nn.Module) -> Activation | None:
     form = GATE_FORMS.get(owner.__name__)
     if form is None or not (form.activation_in_code or _is_silu(getattr(experts, "act_fn", None))):
         return None
-    limit = getattr(experts, form.limit_attr, None) if form.limit_attr else None
-    alpha = getattr(experts, form.alpha_attr, None) if form.alpha_attr else 1.0
-    if not (_valid_limit(limit) and _finite_number(alpha)):
+    limit, gate_cap, up_cap = (_attr(experts, path) for path in (form.limit_attr, form.gate_softcap_attr,
+                                                                 form.up_softcap_attr))
+    alpha = _attr(experts, form.alpha_attr) if form.alpha_attr else 1.0
+    if not (all(map(_valid_limit, (limit, gate_cap, up_cap))) and _finite_number(alpha)):
         return None
-    act = Activation(limit, float(alpha), form.up_offset, not getattr(experts, "is_concatenated", True))
+    act = Activation(limit, float(alpha), form.up_offset, not getattr(experts, "is_concatenated", True),
+                     gate_softcap=gate_cap, up_softcap=up_cap)
     return act if _gate_agrees(experts, owner, act) else None
+
+
+def _attr(obj, path: str | None):
+    """The attribute at a dotted path (None for no path or a missing attribute)."""
+    for name in path.split(".") if path else ():
+        obj = getattr(obj, name, None)
+    return obj if path else None
 
 
 def _own_gate(experts: torch.nn.Module) -> bool:
@@ -416,7 +443,8 @@ def flce_experts_forward(
         return experts_forward(hidden_states, top_k_index, top_k_weights, ops.gate_up, ops.down,
                                swiglu_limit=act.limit, swiglu_alpha=act.alpha, swiglu_up_offset=act.up_offset,
                                interleaved=act.interleaved, gate_up_proj_bias=ops.gate_up_bias,
-                               down_proj_bias=ops.down_bias, activation=act.kind)
+                               down_proj_bias=ops.down_bias, activation=act.kind,
+                               swiglu_gate_softcap=act.gate_softcap, swiglu_up_softcap=act.up_softcap)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     fallback = ALL_EXPERTS_FUNCTIONS.get("grouped_mm") or type(self).forward.__wrapped__

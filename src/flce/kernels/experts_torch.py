@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .softcap_torch import cap_
+
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -75,7 +77,8 @@ class Activation:
     kind "swiglu": ``act(gate) * (up + up_offset)``, ``act(g) = g * sigmoid(alpha * g)`` (SiLU at alpha 1), of the two
     halves of h (S, 2I): gate columns first (``interleaved``: gate and up alternating, GPT-OSS's layout). With
     ``limit`` the gate is first clamped to at most limit and the up projection to [-limit, limit] (DeepSeek-V4's
-    ``swiglu_limit``; GPT-OSS's with alpha 1.702 and up_offset 1).
+    ``swiglu_limit``; GPT-OSS's with alpha 1.702 and up_offset 1). With ``gate_softcap`` / ``up_softcap`` c the gate
+    factor is ``c * tanh(g / c)`` while the sigmoid sees g itself, and up is ``c * tanh(up / c)`` (Inkling-2's).
     kind "relu2": ``relu(h) ** 2`` of h (S, I), no gate (Nemotron-H's experts); the other fields keep their defaults.
     """
 
@@ -84,6 +87,8 @@ class Activation:
     up_offset: float = 0.0
     interleaved: bool = False
     kind: str = "swiglu"
+    gate_softcap: float | None = None
+    up_softcap: float | None = None
 
     @property
     def gated(self) -> bool:
@@ -107,6 +112,14 @@ def _clamped(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> tuple
     return gate.clamp(max=limit), up.clamp(-limit, limit)
 
 
+def _softcapped(x: torch.Tensor, cap: float | None) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """(c * tanh(x / c), its derivative sech^2(x / c)) as the Triton kernels compute them (x and 1 without a cap)."""
+    if cap is None:
+        return x, 1.0
+    capped = x.clone()
+    return capped, cap_(capped, cap, slope=True)
+
+
 def activation_torch(h: torch.Tensor, n_valid: torch.Tensor, act: Activation = SWIGLU,
                      bias: torch.Tensor | None = None, row_experts: torch.Tensor | None = None) -> torch.Tensor:
     """:class:`Activation` of h (S, 2I) (relu2: (S, I)) -> (S, I) in h's dtype. bias: (E, 2I) (relu2: (E, I)) added to
@@ -115,7 +128,11 @@ def activation_torch(h: torch.Tensor, n_valid: torch.Tensor, act: Activation = S
     if not act.gated:
         return torch.relu(_biased(h.to(_acc_dtype(h.dtype)), bias, row_experts, None)).square().to(h.dtype)
     gate, up = _clamped(*_gate_up(h, act, bias, row_experts), act.limit)
-    gated = F.silu(gate) if act.alpha == 1.0 else gate * torch.sigmoid(act.alpha * gate)  # SiLU as torch rounds it
+    if act.alpha == 1.0 and act.gate_softcap is None:
+        gated = F.silu(gate)  # SiLU as torch rounds it
+    else:
+        gated = _softcapped(gate, act.gate_softcap)[0] * torch.sigmoid(act.alpha * gate)
+    up = _softcapped(up, act.up_softcap)[0]
     return (gated * (up + act.up_offset if act.up_offset else up)).to(h.dtype)
 
 
@@ -132,8 +149,11 @@ def activation_backward_torch(h: torch.Tensor, da: torch.Tensor, n_valid: torch.
     gate, up = _clamped(gate_in, up_in, act.limit)
     grad = da.to(gate.dtype)
     sig = torch.sigmoid(act.alpha * gate)
-    gated, up = gate * sig, up + act.up_offset
-    d_gate, d_up = grad * up * sig * (1 + act.alpha * gate * (1 - sig)), grad * gated
+    factor, factor_slope = _softcapped(gate, act.gate_softcap)
+    up, up_slope = _softcapped(up, act.up_softcap)
+    gated, up = factor * sig, up + act.up_offset
+    d_gate = grad * up * (factor_slope * sig + act.alpha * factor * sig * (1 - sig))
+    d_up = grad * gated * up_slope
     if act.limit is not None:  # a clamped input gets no gradient (torch's clamp passes it where min <= x <= max)
         d_gate = torch.where(gate_in <= act.limit, d_gate, 0.0)
         d_up = torch.where((up_in >= -act.limit) & (up_in <= act.limit), d_up, 0.0)

@@ -28,6 +28,7 @@ from triton.testing import do_bench
 
 from . import nvidia_major
 from .experts_torch import SWIGLU, Activation
+from .softcap_triton import capped_slope
 
 try:  # host-side TMA descriptors: triton 3.4+
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -389,8 +390,8 @@ def _clamped(gate, up, limit, HAS_LIMIT: tl.constexpr):
 
 @triton.jit
 def _swiglu_kernel(h_ptr, a_ptr, n_valid_ptr, bias_ptr, experts_ptr, I, stride_h, stride_a, stride_bias,
-                   limit, alpha, up_offset, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):
+                   limit, alpha, up_offset, gate_cap, up_cap, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(n_valid_ptr):  # rows of dropped pairs hold no data
         return
@@ -400,14 +401,17 @@ def _swiglu_kernel(h_ptr, a_ptr, n_valid_ptr, bias_ptr, experts_ptr, I, stride_h
     gate, up = _gate_up(h_ptr, row, stride_h, I, start, bias_ptr, experts_ptr, stride_bias, HAS_BIAS, INTERLEAVED,
                         BLOCK)
     gate, up = _clamped(gate, up, limit, HAS_LIMIT)
-    act = gate * tl.sigmoid(alpha * gate) * (up + up_offset)
+    factor, _ = capped_slope(gate, 1.0, gate_cap, GATE_CAP)  # the sigmoid sees the gate itself
+    up, _ = capped_slope(up, 1.0, up_cap, UP_CAP)
+    act = factor * tl.sigmoid(alpha * gate) * (up + up_offset)
     tl.store(a_ptr + row * stride_a + cols, act.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, n_valid_ptr, bias_ptr, experts_ptr, I, stride_h, stride_da,
-                       stride_dh, stride_bias, limit, alpha, up_offset, HAS_LIMIT: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):
+                       stride_dh, stride_bias, limit, alpha, up_offset, gate_cap, up_cap, HAS_LIMIT: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, INTERLEAVED: tl.constexpr, GATE_CAP: tl.constexpr,
+                       UP_CAP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(n_valid_ptr):
         return
@@ -417,12 +421,20 @@ def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, n_valid_ptr, bias_ptr, experts_ptr
     gate_in, up_in = _gate_up(h_ptr, row, stride_h, I, start, bias_ptr, experts_ptr, stride_bias, HAS_BIAS,
                               INTERLEAVED, BLOCK)
     gate, up = _clamped(gate_in, up_in, limit, HAS_LIMIT)
+    up, up_slope = capped_slope(up, 1.0, up_cap, UP_CAP)
     up += up_offset
     da = tl.load(da_ptr + row * stride_da + cols, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(alpha * gate)
-    act = gate * sig
-    d_gate = da * up * sig * (1.0 + alpha * gate * (1.0 - sig))
+    if GATE_CAP:  # d/dg of c tanh(g / c) sigmoid(alpha g)
+        factor, gate_slope = capped_slope(gate, 1.0, gate_cap, True)
+        act = factor * sig
+        d_gate = da * up * (gate_slope * sig + alpha * factor * sig * (1.0 - sig))
+    else:
+        act = gate * sig
+        d_gate = da * up * sig * (1.0 + alpha * gate * (1.0 - sig))
     d_up = da * act
+    if UP_CAP:
+        d_up *= up_slope
     if HAS_LIMIT:  # a clamped input gets no gradient (torch's clamp passes it where min <= x <= max)
         d_gate = tl.where(gate_in <= limit, d_gate, 0.0)
         d_up = tl.where((up_in >= -limit) & (up_in <= limit), d_up, 0.0)
@@ -470,8 +482,7 @@ def activation_triton(h: torch.Tensor, n_valid: torch.Tensor, act: Activation = 
         grid = (rows, triton.cdiv(inter, _BLOCK))
         common = (*_bias_args(bias, row_experts, h), inter, h.stride(0), a.stride(0), _bias_stride(bias))
         if act.gated:
-            _swiglu_kernel[grid](h, a, n_valid, *common, *_glu_args(act), HAS_LIMIT=act.limit is not None,
-                                 HAS_BIAS=bias is not None, INTERLEAVED=act.interleaved, BLOCK=_BLOCK)
+            _swiglu_kernel[grid](h, a, n_valid, *common, *_glu_args(act), **_glu_flags(act, bias), BLOCK=_BLOCK)
         else:
             _relu2_kernel[grid](h, a, n_valid, *common, HAS_BIAS=bias is not None, BLOCK=_BLOCK)
     return a
@@ -487,16 +498,22 @@ def activation_backward_triton(h: torch.Tensor, da: torch.Tensor, n_valid: torch
         grid = (rows, triton.cdiv(inter, _BLOCK))
         common = (*_bias_args(bias, row_experts, h), inter, h.stride(0), da.stride(0), dh.stride(0), _bias_stride(bias))
         if act.gated:
-            _swiglu_bwd_kernel[grid](h, da, dh, n_valid, *common, *_glu_args(act), HAS_LIMIT=act.limit is not None,
-                                     HAS_BIAS=bias is not None, INTERLEAVED=act.interleaved, BLOCK=_BLOCK)
+            _swiglu_bwd_kernel[grid](h, da, dh, n_valid, *common, *_glu_args(act), **_glu_flags(act, bias),
+                                     BLOCK=_BLOCK)
         else:
             _relu2_bwd_kernel[grid](h, da, dh, n_valid, *common, HAS_BIAS=bias is not None, BLOCK=_BLOCK)
     return dh, da
 
 
-def _glu_args(act: Activation) -> tuple[float, float, float]:
-    # floats either way (no limit: 0.0), so that a form's values do not each compile a kernel
-    return 0.0 if act.limit is None else float(act.limit), float(act.alpha), float(act.up_offset)
+def _glu_args(act: Activation) -> tuple[float, ...]:
+    # floats either way (absent: 0.0), so that a form's values do not each compile a kernel
+    return (*(0.0 if v is None else float(v) for v in (act.limit, act.alpha, act.up_offset, act.gate_softcap,
+                                                        act.up_softcap)),)
+
+
+def _glu_flags(act: Activation, bias: torch.Tensor | None) -> dict[str, bool]:
+    return {"HAS_LIMIT": act.limit is not None, "HAS_BIAS": bias is not None, "INTERLEAVED": act.interleaved,
+            "GATE_CAP": act.gate_softcap is not None, "UP_CAP": act.up_softcap is not None}
 
 
 def _bias_args(bias: torch.Tensor | None, row_experts: torch.Tensor | None, placeholder: torch.Tensor):
