@@ -1,7 +1,8 @@
 """Probe: the experts layer's elementwise kernels alone (SwiGLU forward / backward, combine and its backward, the
-biases' per-expert sums), plain SwiGLU against GPT-OSS's form (clamp, alpha, up + 1, interleaved, biases), Inkling-2's
-softcaps and the ungated relu2, at GPT-OSS-20B's layer size. Median of 10 interleaved rounds of each kernel's median of 5 calls (CUDA
-events). To compare two trees, run it on each (the kernels' signatures are those of 56d8612 on). GPU only:
+biases' per-expert sums), plain SwiGLU against GPT-OSS's form (clamp, alpha, up + 1, interleaved, biases),
+Inkling-2's softcaps and the ungated relu2, at GPT-OSS-20B's layer size. Median of 10 interleaved rounds of each
+kernel's median of 5 calls (CUDA events). To compare two trees, run it on each (the kernels' signatures are those
+of 44e5730 on). GPU only:
 
     PYTHONPATH=src python benchmark/probes/experts_elementwise_probe.py [SxIxHxE]   # default 32768x2880x2880x32
 """
