@@ -444,8 +444,9 @@ def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, n_valid_ptr, bias_ptr, experts_ptr
 
 
 @triton.jit
-def _relu2_kernel(h_ptr, a_ptr, n_valid_ptr, bias_ptr, experts_ptr, I, stride_h, stride_a, stride_bias,
-                  HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _relu2_kernel(h_ptr, a_ptr, n_valid_ptr, bias_ptr, experts_ptr, I, stride_h, stride_a, stride_bias, dh_ptr,
+                  stride_dh, HAS_BIAS: tl.constexpr, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
+    # relu(h)^2 into a; BACKWARD: a holds da on entry, dh = 2 da relu(h) is stored and a recomputed over da.
     row = tl.program_id(0).to(tl.int64)
     if row >= tl.load(n_valid_ptr):
         return
@@ -453,22 +454,11 @@ def _relu2_kernel(h_ptr, a_ptr, n_valid_ptr, bias_ptr, experts_ptr, I, stride_h,
     mask = cols < I
     h = _biased_row(h_ptr + row * stride_h, cols, mask, bias_ptr, experts_ptr + row, stride_bias, HAS_BIAS)
     positive = tl.maximum(h, 0.0)
-    tl.store(a_ptr + row * stride_a + cols, (positive * positive).to(a_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _relu2_bwd_kernel(h_ptr, da_ptr, dh_ptr, n_valid_ptr, bias_ptr, experts_ptr, I, stride_h, stride_da, stride_dh,
-                      stride_bias, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    if row >= tl.load(n_valid_ptr):
-        return
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < I
-    h = _biased_row(h_ptr + row * stride_h, cols, mask, bias_ptr, experts_ptr + row, stride_bias, HAS_BIAS)
-    positive = tl.maximum(h, 0.0)
-    da = tl.load(da_ptr + row * stride_da + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dh_ptr + row * stride_dh + cols, (2.0 * da * positive).to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(da_ptr + row * stride_da + cols, (positive * positive).to(da_ptr.dtype.element_ty), mask=mask)
+    a_row = a_ptr + row * stride_a + cols
+    if BACKWARD:
+        da = tl.load(a_row, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dh_ptr + row * stride_dh + cols, (2.0 * da * positive).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(a_row, (positive * positive).to(a_ptr.dtype.element_ty), mask=mask)
 
 
 def activation_triton(h: torch.Tensor, n_valid: torch.Tensor, act: Activation = SWIGLU,
@@ -484,7 +474,7 @@ def activation_triton(h: torch.Tensor, n_valid: torch.Tensor, act: Activation = 
         if act.gated:
             _swiglu_kernel[grid](h, a, n_valid, *common, *_glu_args(act), **_glu_flags(act, bias), BLOCK=_BLOCK)
         else:
-            _relu2_kernel[grid](h, a, n_valid, *common, HAS_BIAS=bias is not None, BLOCK=_BLOCK)
+            _relu2_kernel[grid](h, a, n_valid, *common, a, 0, HAS_BIAS=bias is not None, BACKWARD=False, BLOCK=_BLOCK)
     return a
 
 
@@ -496,12 +486,13 @@ def activation_backward_triton(h: torch.Tensor, da: torch.Tensor, n_valid: torch
     dh = torch.empty(rows, h.shape[1], dtype=h.dtype, device=h.device)
     if da.numel():
         grid = (rows, triton.cdiv(inter, _BLOCK))
-        common = (*_bias_args(bias, row_experts, h), inter, h.stride(0), da.stride(0), dh.stride(0), _bias_stride(bias))
+        biases, bias_stride = _bias_args(bias, row_experts, h), _bias_stride(bias)
         if act.gated:
-            _swiglu_bwd_kernel[grid](h, da, dh, n_valid, *common, *_glu_args(act), **_glu_flags(act, bias),
-                                     BLOCK=_BLOCK)
-        else:
-            _relu2_bwd_kernel[grid](h, da, dh, n_valid, *common, HAS_BIAS=bias is not None, BLOCK=_BLOCK)
+            _swiglu_bwd_kernel[grid](h, da, dh, n_valid, *biases, inter, h.stride(0), da.stride(0), dh.stride(0),
+                                     bias_stride, *_glu_args(act), **_glu_flags(act, bias), BLOCK=_BLOCK)
+        else:  # da in, a out, in place
+            _relu2_kernel[grid](h, da, n_valid, *biases, inter, h.stride(0), da.stride(0), bias_stride, dh,
+                                dh.stride(0), HAS_BIAS=bias is not None, BACKWARD=True, BLOCK=_BLOCK)
     return dh, da
 
 
