@@ -890,9 +890,10 @@ def test_a_parametrized_module_s_gate_is_checked_once(monkeypatch):
     if "gpt_oss" not in hf_zoo.ZOO or "target_parameters" not in peft.LoraConfig.__dataclass_fields__:
         pytest.skip("needs transformers' gpt_oss and a peft that targets parameters")
     monkeypatch.setattr(fx, "_GATES_CHECKED", {})
-    types = set()
-    check = fx._gate_agrees
-    monkeypatch.setattr(fx, "_gate_agrees", lambda experts, *args: types.add(type(experts)) or check(experts, *args))
+    types, checks = set(), []
+    activation, check = fx._module_activation, fx._gate_agrees
+    monkeypatch.setattr(fx, "_module_activation", lambda experts: types.add(type(experts)) or activation(experts))
+    monkeypatch.setattr(fx, "_gate_agrees", lambda *args: checks.append(1) or check(*args))
     model = hf_zoo.build("gpt_oss")
     model.set_experts_implementation("flce")
     model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=[],
@@ -900,4 +901,4 @@ def test_a_parametrized_module_s_gate_is_checked_once(monkeypatch):
     for _ in range(3):
         model(input_ids=torch.randint(0, model.config.vocab_size, (1, 5)))
     assert len(types) > 1  # the premise: the module's type changed between steps
-    assert [owner.__name__ for owner, _ in fx._GATES_CHECKED] == ["GptOssExperts"]
+    assert len(checks) == 1 and [owner.__name__ for owner, *_ in fx._GATES_CHECKED] == ["GptOssExperts"]

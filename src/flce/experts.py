@@ -44,7 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from .import_hooks import compile_disabled, when_imported
 from .kernels.experts_dispatch import elementwise_ops, resolve_elementwise, rows_mm, wgrad_mm
-from .kernels.experts_torch import RELU2, Activation, activation_torch
+from .kernels.experts_torch import RELU2, SWIGLU, Activation, activation_torch
 
 BACKEND_NAME = "flce"
 
@@ -358,14 +358,14 @@ def _biases(experts: torch.nn.Module, first: str) -> tuple[torch.Tensor | None, 
     (None, None) where it has none; None for anything else."""
     biases = getattr(experts, first, None), getattr(experts, "down_proj_bias", None)
     if not getattr(experts, "has_bias", False):
-        return (None, None) if biases == (None, None) else None
+        return biases if all(b is None for b in biases) else None
     return biases if all(isinstance(b, torch.Tensor) and b.dim() == 2 for b in biases) else None
 
 
 def _module_activation(experts: torch.nn.Module) -> Activation | None:
     """The :class:`Activation` the module's gate computes (checked on a probe for a class's own gate), or None."""
     if not _own_gate(experts):  # transformers' default: act_fn(gate) * up of the two halves
-        return Activation() if _is_silu(getattr(experts, "act_fn", None)) else None
+        return SWIGLU if _is_silu(getattr(experts, "act_fn", None)) else None
     owner = next(c for c in type(experts).__mro__ if "_apply_gate" in c.__dict__)  # the class that defines it
     form = GATE_FORMS.get(owner.__name__)
     if form is None or not (form.activation_in_code or _is_silu(getattr(experts, "act_fn", None))):
@@ -375,9 +375,12 @@ def _module_activation(experts: torch.nn.Module) -> Activation | None:
     alpha = _attr(experts, form.alpha_attr) if form.alpha_attr else 1.0
     if not (all(map(_valid_limit, (limit, gate_cap, up_cap))) and _finite_number(alpha)):
         return None
-    act = Activation(limit, float(alpha), form.up_offset, not getattr(experts, "is_concatenated", True),
-                     gate_softcap=gate_cap, up_softcap=up_cap)
-    return act if _gate_agrees(experts, owner, act) else None
+    alpha = float(alpha)
+    key = (owner, limit, alpha, form.up_offset, not getattr(experts, "is_concatenated", True), gate_cap, up_cap)
+    if key not in _GATES_CHECKED:  # once per class and form
+        act = Activation(*key[1:5], gate_softcap=gate_cap, up_softcap=up_cap)
+        _GATES_CHECKED[key] = act if _gate_agrees(experts, act) else None
+    return _GATES_CHECKED[key]
 
 
 def _attr(obj, path: str | None):
@@ -393,29 +396,27 @@ def _own_gate(experts: torch.nn.Module) -> bool:
     return gate is not None and gate.__name__ != "_default_apply_gate"
 
 
-_GATES_CHECKED: dict[tuple[type, Activation], bool] = {}
+# (class that defines the gate, the form's values) -> the Activation it computes, or None where its gate is another.
+# Kept by that class, not the module's type: a parametrization (PEFT's LoRA on the weights) gives the module a new
+# type at every registration.
+_GATES_CHECKED: dict[tuple, Activation | None] = {}
 
 
-@compile_disabled  # a check on CPU tensors, once per class: never part of a compiled graph
-def _gate_agrees(experts: torch.nn.Module, owner: type, act: Activation) -> bool:
-    """Whether a class's own ``_apply_gate`` gives ``act`` on values on both sides of its limit, checked once per
-    class and form: a class whose gate changes under the same name (another transformers) then falls back to its
-    own implementation instead of being computed as something else. Kept by ``owner``, the class that defines the
-    gate, not the module's type: a parametrization (PEFT's LoRA on the weights) gives the module a new type at
-    every registration."""
-    key = (owner, act)
-    if key not in _GATES_CHECKED:
-        scale = 2.0 * (act.limit if act.limit is not None else 4.0)
-        probe = (torch.rand(4, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1) * scale  # (S, 2I)
-        with torch.no_grad():
-            try:
-                theirs = experts._apply_gate(probe)
-            except Exception:  # noqa: BLE001 - a gate that cannot run on a CPU float32 probe is not one flce knows
-                theirs = None
-            ours = activation_torch(probe, probe.new_zeros(1), act)
-        _GATES_CHECKED[key] = (isinstance(theirs, torch.Tensor) and theirs.shape == ours.shape
-                               and torch.allclose(theirs.float(), ours, rtol=1e-5, atol=1e-6))
-    return _GATES_CHECKED[key]
+@compile_disabled  # a check on CPU tensors, once per class and form: never part of a compiled graph
+def _gate_agrees(experts: torch.nn.Module, act: Activation) -> bool:
+    """Whether a class's own ``_apply_gate`` gives ``act`` on values on both sides of its limit: a class whose gate
+    changes under the same name (another transformers) then falls back to its own implementation instead of being
+    computed as something else."""
+    scale = 2.0 * (act.limit if act.limit is not None else 4.0)
+    probe = (torch.rand(4, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1) * scale  # (S, 2I)
+    with torch.no_grad():
+        try:
+            theirs = experts._apply_gate(probe)
+        except Exception:  # noqa: BLE001 - a gate that cannot run on a CPU float32 probe is not one flce knows
+            theirs = None
+        ours = activation_torch(probe, probe.new_zeros(1), act)
+    return (isinstance(theirs, torch.Tensor) and theirs.shape == ours.shape
+            and torch.allclose(theirs.float(), ours, rtol=1e-5, atol=1e-6))
 
 
 def _is_silu(act) -> bool:
