@@ -1,5 +1,6 @@
-"""flce's Mixtral experts backend against a float64 per-expert loop, transformers' eager experts and a
-tiny Mixtral; its GEMM / elementwise paths, routing edge cases, dispatch and graph safety."""
+"""flce's experts backend against a float64 per-expert loop, transformers' eager experts and a tiny Mixtral; every
+activation form (clamp, GPT-OSS's gate and biases, softcaps, ungated relu2) against float64 and the families' own
+experts; its GEMM / elementwise paths, routing edge cases, dispatch and graph safety."""
 
 import math
 
