@@ -281,6 +281,27 @@ def test_triton_path_matches_float64_reference(gemm, dtype, case, top_k, sizes, 
 
 
 @pytest.mark.skipif(not TRITON, reason="triton cannot run here")
+@pytest.mark.parametrize("act", [experts_torch.SWIGLU, experts_torch.RELU2,
+                                 experts_torch.Activation(limit=0.5, gate_softcap=0.7, up_softcap=0.9)])
+def test_activation_kernels_keep_nan_and_inf_as_torch_does(act):
+    """A NaN or an infinity in the projections (a diverged step) reaches the activation and its gradient as in the
+    torch twin, rather than being clamped or zeroed away."""
+    from flce.kernels import experts_triton
+
+    h = torch.randn(3, 8 if act.gated else 4, device=KERNEL_DEVICE)
+    h[0, 1], h[1, 2], h[2, 0] = float("nan"), float("inf"), -float("inf")
+    n_valid = torch.tensor([3], dtype=torch.int32, device=KERNEL_DEVICE)
+    da = torch.randn(3, 4, device=KERNEL_DEVICE)
+    for got, want in zip((experts_triton.activation_triton(h, n_valid, act),
+                          *experts_triton.activation_backward_triton(h, da.clone(), n_valid, act)),
+                         (experts_torch.activation_torch(h, n_valid, act),
+                          *experts_torch.activation_backward_torch(h, da.clone(), n_valid, act))):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+        finite = want.isfinite()
+        assert_close(got[finite], want[finite], TOL[torch.float32], "finite entries")
+
+
+@pytest.mark.skipif(not TRITON, reason="triton cannot run here")
 @pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("need_weights_grad", [True, False])
 def test_triton_gate_forms_and_biases_match_float64_reference(form, need_weights_grad):

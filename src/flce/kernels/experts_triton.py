@@ -453,7 +453,7 @@ def _relu2_kernel(h_ptr, a_ptr, n_valid_ptr, bias_ptr, experts_ptr, I, stride_h,
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
     h = _biased_row(h_ptr + row * stride_h, cols, mask, bias_ptr, experts_ptr + row, stride_bias, HAS_BIAS)
-    positive = tl.maximum(h, 0.0)
+    positive = tl.maximum(h, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch.relu keeps it
     a_row = a_ptr + row * stride_a + cols
     if BACKWARD:
         da = tl.load(a_row, mask=mask, other=0.0).to(tl.float32)
