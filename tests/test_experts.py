@@ -240,6 +240,30 @@ def test_autocast_runs_the_gemms_in_its_dtype():
     assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("ew", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not TRITON, reason="triton cannot run here"))])
+def test_biases_under_autocast_and_only_the_biases_trained(ew):
+    """float32 GPT-OSS-form experts and biases under bfloat16 autocast: float32 gradients for the biases too, near the
+    float64 reference; and a step where only the biases need gradients (the rest frozen) gets them right."""
+    device = KERNEL_DEVICE if ew == "triton" else torch.device("cpu")
+    tensors, kwargs = form_case("gpt_oss", 17, 16, 8, 3, 2, torch.float32, device)
+    biases = [kwargs[name] for name in BIASES]
+    ref, ref_leaves = loop_reference(*tensors, **kwargs)
+    want = torch.autograd.grad(ref.sum(), ref_leaves[4:])
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out = flce.experts_forward(*tensors, elementwise=ew, **kwargs)
+    assert out.dtype == torch.float32
+    assert_close(out, ref, TOL[torch.bfloat16], "autocast output")
+    for got, w in zip(torch.autograd.grad(out.sum(), biases), want):
+        assert got.dtype == torch.float32
+        assert_close(got, w, TOL[torch.bfloat16], "bias grad under autocast")
+    for t in tensors:
+        t.requires_grad_(False)
+    out = flce.experts_forward(*tensors, elementwise=ew, **kwargs)
+    for got, w in zip(torch.autograd.grad(out.sum(), biases), want):
+        assert_close(got, w, TOL[torch.float32], "bias grad alone")
+
+
 def test_partial_gradients_and_mixed_dtypes():
     """Only some inputs need gradients; float32 hidden states with bfloat16 experts (autocast-like)."""
     x, ids, weights, gate_up, down = make_case(19, 16, 8, 3, 2, torch.float64, "cpu")
