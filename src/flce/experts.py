@@ -115,9 +115,9 @@ class ExpertsFunction(torch.autograd.Function):
                                              n_valid, gate_up.dtype, down_bias, row_experts)
             if need_down_bias:
                 d_down_bias = ops["expert_sums"](dy, offsets, row_experts).to(down_bias.dtype)
-            if need_x or need_gate_up or need_down or need_gate_up_bias:
-                dh, a = ops["activation_backward"](h, rows_mm(dy, down, offsets, gemm), n_valid, ctx.act, gate_up_bias,
-                                               row_experts)
+            if h is not None:  # saved where x, a weight or the first bias needs a gradient
+                dh, a = ops["activation_backward"](h, rows_mm(dy, down, offsets, gemm), n_valid, ctx.act,
+                                                   gate_up_bias, row_experts)
                 gate_up_t, down_t = ctx.transposed
                 d_down = _wgrad(dy, a, offsets, gemm, down_t).to(ctx.param_dtype) if need_down else None
                 del dy, a

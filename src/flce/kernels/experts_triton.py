@@ -472,7 +472,7 @@ def activation_triton(h: torch.Tensor, n_valid: torch.Tensor, act: Activation = 
         grid = (rows, triton.cdiv(inter, _BLOCK))
         common = (*_bias_args(bias, row_experts, h), inter, h.stride(0), a.stride(0), _bias_stride(bias))
         if act.gated:
-            _swiglu_kernel[grid](h, a, n_valid, *common, *_glu_args(act), **_glu_flags(act, bias), BLOCK=_BLOCK)
+            _swiglu_kernel[grid](h, a, n_valid, *common, *_swiglu_args(act), **_swiglu_flags(act, bias), BLOCK=_BLOCK)
         else:
             _relu2_kernel[grid](h, a, n_valid, *common, a, 0, HAS_BIAS=bias is not None, BACKWARD=False, BLOCK=_BLOCK)
     return a
@@ -489,20 +489,20 @@ def activation_backward_triton(h: torch.Tensor, da: torch.Tensor, n_valid: torch
         biases, bias_stride = _bias_args(bias, row_experts, h), _bias_stride(bias)
         if act.gated:
             _swiglu_bwd_kernel[grid](h, da, dh, n_valid, *biases, inter, h.stride(0), da.stride(0), dh.stride(0),
-                                     bias_stride, *_glu_args(act), **_glu_flags(act, bias), BLOCK=_BLOCK)
+                                     bias_stride, *_swiglu_args(act), **_swiglu_flags(act, bias), BLOCK=_BLOCK)
         else:  # da in, a out, in place
             _relu2_kernel[grid](h, da, n_valid, *biases, inter, h.stride(0), da.stride(0), bias_stride, dh,
                                 dh.stride(0), HAS_BIAS=bias is not None, BACKWARD=True, BLOCK=_BLOCK)
     return dh, da
 
 
-def _glu_args(act: Activation) -> tuple[float, ...]:
+def _swiglu_args(act: Activation) -> tuple[float, ...]:
     # floats either way (absent: 0.0), so that a form's values do not each compile a kernel
     return (*(0.0 if v is None else float(v) for v in (act.limit, act.alpha, act.up_offset, act.gate_softcap,
                                                         act.up_softcap)),)
 
 
-def _glu_flags(act: Activation, bias: torch.Tensor | None) -> dict[str, bool]:
+def _swiglu_flags(act: Activation, bias: torch.Tensor | None) -> dict[str, bool]:
     return {"HAS_LIMIT": act.limit is not None, "HAS_BIAS": bias is not None, "INTERLEAVED": act.interleaved,
             "GATE_CAP": act.gate_softcap is not None, "UP_CAP": act.up_softcap is not None}
 
