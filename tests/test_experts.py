@@ -110,17 +110,17 @@ def loop_reference(x, ids, weights, gate_up, down, swiglu_limit=None, swiglu_alp
     return out, leaves
 
 
-def check(x, ids, weights, gate_up, down, tol, stored_transposed=False, **kwargs):
-    """flce's experts against the float64 loop: output and every gradient (biases too, when passed). stored_transposed:
-    both weights stored (E, H, 2I) and (E, I, H) and passed as their transposed views; their gradients must come
-    laid out as stored (contiguous: no copy into them)."""
+def check(x, ids, weights, gate_up, down, tol, stored_transposed=False, layer=None, **kwargs):
+    """flce's experts (``layer``: experts_forward or a compiled form of it) against the float64 loop: output and every
+    gradient (biases too, when passed). stored_transposed: both weights stored (E, H, 2I) and (E, I, H) and passed as
+    their transposed views; their gradients must come laid out as stored (contiguous: no copy into them)."""
     biases = {name: kwargs[name] for name in BIASES if kwargs.get(name) is not None}
     leaves = (x, weights, gate_up, down, *biases.values())
     if stored_transposed:
         stored = [w.detach().transpose(1, 2).contiguous().requires_grad_() for w in (gate_up, down)]
         leaves = (x, weights, *stored, *biases.values())
         gate_up, down = (w.transpose(1, 2) for w in stored)
-    out = flce.experts_forward(x, ids, weights, gate_up, down, **kwargs)
+    out = (layer or flce.experts_forward)(x, ids, weights, gate_up, down, **kwargs)
     form = {k: v for k, v in kwargs.items() if k not in ("gemm", "elementwise")}
     ref, ref_leaves = loop_reference(x, ids, weights, gate_up, down, **form)
     assert out.shape == x.shape and out.dtype == x.dtype

@@ -1,7 +1,8 @@
-"""Probe: what flce's experts cost a torch.compile'd MoE training step, where each experts layer is one graph
-break (the layer runs eagerly). A Qwen3-MoE model of a few layers at Qwen3-30B-A3B's layer size, its loss
-fused by apply_flce_patch; the step (forward with labels, backward) eager and compiled, its experts on
-transformers' grouped_mm or on flce. ``--trace``: what stays allocated between eager steps and what is alive at a
+"""Probe: what flce's experts give a torch.compile'd MoE training step. A Qwen3-MoE model of a few layers at
+Qwen3-30B-A3B's layer size, its loss fused by apply_flce_patch; the step (forward with labels, backward) eager and
+compiled, its experts on transformers' grouped_mm, on flce (under compile the custom op ``flce::experts``, traced
+into the graph) or on ``flce_break`` (flce's layer behind a graph break, run eagerly: how it ran before the custom
+op). The variants take turns in rounds. ``--trace``: what stays allocated between eager steps and what is alive at a
 step's peak, per experts backend (found the patch's reference cycle that kept a deleted model's weights and
 gradients, fixed in apply.py). GPU only:
 
@@ -26,6 +27,9 @@ from breakdown import event_times  # noqa: E402
 from probes.memory_trace_probe import _peak  # noqa: E402
 
 
+BACKENDS = ("grouped_mm", "flce", "flce_break")  # flce_break: flce's layer behind a graph break, run eagerly
+
+
 def build(layers: int, experts: str) -> torch.nn.Module:
     config = transformers.Qwen3MoeConfig(
         vocab_size=32000, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -33,32 +37,42 @@ def build(layers: int, experts: str) -> torch.nn.Module:
         num_experts=128, num_experts_per_tok=8, max_position_embeddings=4096)
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config).to("cuda", torch.bfloat16).train()
-    flce.apply_flce_patch(model, use_flce_experts=experts == "flce")
-    model.set_experts_implementation(flce.experts.BACKEND_NAME if experts == "flce" else "grouped_mm")
+    flce.apply_flce_patch(model, use_flce_experts=experts != "grouped_mm")
+    if experts == "flce_break":  # how flce's layer ran under torch.compile before the custom op
+        from transformers.integrations.moe import ExpertsInterface
+
+        ExpertsInterface.register(experts, torch.compiler.disable(flce.experts.flce_experts_forward))
+    model.set_experts_implementation(flce.experts.BACKEND_NAME if experts == "flce" else experts)
     return model
 
 
-def step_ms(model, ids, compiled: bool) -> dict[str, float]:
-    """Forward with labels + backward: the median step (ms) and its spread, the first call's seconds, and the
-    peak memory (MiB) of the first call (compiling, autotuning, the experts' path timing) and of later steps."""
-    forward = torch.compile(model) if compiled else model
+def first_step(model, ids, compiled: bool, mode: str | None = None):
+    """The step function (forward with labels + backward) and its first call's seconds, peak memory (MiB: compiling,
+    autotuning, the experts' path timing) and graph count (compiled: how many graphs dynamo made)."""
+    forward = torch.compile(model, mode=mode) if compiled else model
 
     def step():
+        if mode == "reduce-overhead":  # a new step: the CUDA graphs may reuse the last step's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         forward(input_ids=ids, labels=ids).loss.backward()
 
-    mib = 2**20
+    torch._dynamo.utils.counters.clear()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     step()
     torch.cuda.synchronize()
-    first, first_peak = time.perf_counter() - start, torch.cuda.max_memory_allocated() / mib
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return step, {"first_s": time.perf_counter() - start, "first_peak": torch.cuda.max_memory_allocated() / 2**20,
+                  "graphs": graphs}
+
+
+def steady_peak(step) -> float:
     step()
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = event_times(step, reps=20, warmup=2)
-    steady_peak = torch.cuda.max_memory_allocated() / mib
-    model.zero_grad(set_to_none=True)
-    return {"median": statistics.median(times), "spread": times[-1] - times[0], "first_s": first,
-            "first_peak": first_peak, "peak": steady_peak}
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**20
 
 
 def _where(frames: list[dict]) -> str:
@@ -100,11 +114,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--mode", default=None, help="torch.compile's mode, e.g. reduce-overhead (CUDA graphs)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--trace", action="store_true", help="what is alive at an eager step's peak, per backend")
     args = parser.parse_args()
     ids = torch.randint(0, 32000, (args.tokens // args.seq, args.seq), device="cuda")
     print(f"Qwen3-MoE, {args.layers} layers (H 2048, I 768, E 128, top-8), {args.tokens} tokens, bf16, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}")
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"compile mode {args.mode}")
     if args.trace:
         for experts in ("grouped_mm", "flce"):
             print(experts)
@@ -112,17 +130,31 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
         return
-    for compiled in (False, True):
-        for experts in ("grouped_mm", "flce"):
-            torch._dynamo.reset()
-            model = build(args.layers, experts)
-            r = step_ms(model, ids, compiled)
-            mode = "compiled" if compiled else "eager"
-            print(f"{mode:8s} {experts:10s} step {r['median']:8.2f} ms (spread {r['spread']:.2f}), peak "
-                  f"{r['peak']:.0f} MiB; first call {r['first_s']:.1f} s, peak {r['first_peak']:.0f} MiB", flush=True)
-            del model
-            gc.collect()
-            torch.cuda.empty_cache()
+    models = {experts: build(args.layers, experts) for experts in BACKENDS}
+    variants = [(mode, experts) for mode in ("eager", "compiled") for experts in BACKENDS
+                if (mode, experts) != ("eager", "flce_break")]  # eagerly flce_break is flce
+    steps, times = {}, {v: [] for v in variants}
+    for mode, experts in list(variants):
+        try:
+            steps[mode, experts], info = first_step(models[experts], ids, mode == "compiled", args.mode)
+            info["peak"] = steady_peak(steps[mode, experts])
+        except RuntimeError as error:  # e.g. CUDA graphs across graph breaks: reported, left out of the rounds
+            print(f"{mode:8s} {experts:10s} failed: {str(error).splitlines()[0][:300]}", flush=True)
+            variants.remove((mode, experts))
+            times.pop((mode, experts))
+            continue
+        print(f"{mode:8s} {experts:10s} first call {info['first_s']:.1f} s, peak {info['first_peak']:.0f} MiB; "
+              f"steady peak {info['peak']:.0f} MiB" + (f"; {info['graphs']} graphs" if mode == "compiled" else ""),
+              flush=True)
+    for r in range(args.rounds):  # the variants take turns, starting one later each round
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+            times[v] += event_times(steps[v], reps=args.reps, warmup=1)
+    print(f"step (forward with labels + backward), median of {args.rounds} rounds x {args.reps} steps, "
+          "each step between two CUDA events:")
+    for (mode, experts), ts in times.items():
+        ts = sorted(ts)
+        print(f"{mode:8s} {experts:10s} {statistics.median(ts):8.2f} ms  (p10 {ts[len(ts) // 10]:.2f}, "
+              f"p90 {ts[len(ts) * 9 // 10]:.2f})", flush=True)
 
 
 if __name__ == "__main__":

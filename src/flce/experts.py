@@ -29,118 +29,27 @@ gradient) ``y``.
 
 Each GEMM runs on the path measured fastest for its shape (flce's Triton grouped GEMMs, with or
 without TMA loads, torch's grouped_mm, or for large GEMMs outside capture one cuBLAS GEMM per expert;
-see ``flce.kernels.experts_dispatch``); set ``FLCE_EXPERTS_GEMM`` to force one. Under torch.compile each layer
-call is a graph break and runs eagerly, as flce's fused loss does.
+see ``flce.kernels.experts_dispatch``); set ``FLCE_EXPERTS_GEMM`` to force one. Under torch.compile the layer is the
+custom op ``flce::experts`` (with its backward, ``flce::experts_backward``): no graph break, so a compiled model keeps
+one graph through its MoE layers and CUDA graphs (``mode="reduce-overhead"``) capture them (see
+:mod:`flce.experts_function`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from .experts_function import ExpertsFunction, experts_op, plan_for, route_pairs
 from .import_hooks import compile_disabled, when_imported
-from .kernels.experts_dispatch import elementwise_ops, resolve_elementwise, rows_mm, wgrad_mm
+from .kernels.experts_dispatch import ELEMENTWISE_BACKENDS, GEMM_PATHS, gemm_path
 from .kernels.experts_torch import RELU2, SWIGLU, Activation, activation_torch
 
 BACKEND_NAME = "flce"
 
 
-@dataclass(frozen=True)
-class Routes:
-    """Token-expert pairs sorted by expert. S = T * k pairs, pair ``t * k + j`` is (token t, choice j).
-
-    perm: (S,) int64, the pair in each sorted row. pos: (T, k) int64, the sorted row of each pair.
-    offsets: (E + 1,) int32, expert e owns sorted rows [offsets[e], offsets[e + 1]); offsets[E] is the
-    number of rows in use (dropped pairs sit after it). experts: (S,) int64, the expert of each sorted row (E for
-    a dropped pair).
-    """
-
-    perm: torch.Tensor
-    pos: torch.Tensor
-    offsets: torch.Tensor
-    experts: torch.Tensor
-
-
-def route_pairs(top_k_index: torch.Tensor, num_experts: int) -> Routes:
-    """Sort the (T, k) routing choices by expert, on the device (stable: ties keep token order)."""
-    ids = top_k_index.reshape(-1)
-    keys = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
-    sorted_keys, perm = torch.sort(keys, stable=True)
-    bounds = torch.arange(num_experts + 1, device=ids.device, dtype=sorted_keys.dtype)
-    offsets = torch.searchsorted(sorted_keys, bounds, out_int32=True)
-    rows = torch.arange(perm.numel(), device=ids.device)
-    pos = torch.empty_like(perm).scatter_(0, perm, rows)
-    return Routes(perm=perm, pos=pos.view(top_k_index.shape), offsets=offsets, experts=sorted_keys)
-
-
-class ExpertsFunction(torch.autograd.Function):
-    """Inputs: hidden (T, H), gate_up (E, 2I, H), down (E, H, I), weights (T, k) contiguous, gate_up_bias (E, 2I)
-    and down_bias (E, H) or None, then :class:`Routes`' perm, pos, offsets and experts, the GEMMs' dtype, gemm path,
-    elementwise ops and the :class:`Activation`. Output: (T, H) in hidden's dtype; gradients in their inputs' dtypes."""
-
-    @staticmethod
-    def forward(ctx, hidden, gate_up_param, down_param, weights, gate_up_bias, down_bias, perm, pos, offsets,
-                row_experts, dtype, gemm, ops, act):
-        n_valid = offsets[-1:]
-        with torch.autocast(hidden.device.type, enabled=False):
-            gate_up, down = gate_up_param.to(dtype), down_param.to(dtype)  # copies only under autocast
-            xs = hidden.to(dtype).index_select(0, perm // pos.shape[1])
-            h = rows_mm(xs, gate_up.transpose(1, 2), offsets, gemm)
-            a = ops["activation"](h, n_valid, act, gate_up_bias, row_experts)
-            y = rows_mm(a, down.transpose(1, 2), offsets, gemm)
-            out = ops["combine"](y, pos, weights, n_valid, hidden.dtype, down_bias, row_experts)
-        need_x, need_gate_up, need_down, need_weights, need_gate_up_bias = ctx.needs_input_grad[:5]
-        need_h = need_x or need_gate_up or need_down or need_gate_up_bias
-        ctx.save_for_backward(xs if need_gate_up else None, h if need_h else None, y if need_weights else None,
-                              gate_up, down, weights, gate_up_bias, down_bias, perm, pos, offsets, row_experts)
-        ctx.gemm, ctx.ops, ctx.act = gemm, ops, act
-        ctx.transposed = _stored_transposed(gate_up_param), _stored_transposed(down_param)
-        ctx.hidden_dtype, ctx.param_dtype = hidden.dtype, gate_up_param.dtype
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        xs, h, y, gate_up, down, weights, gate_up_bias, down_bias, perm, pos, offsets, row_experts = ctx.saved_tensors
-        need_x, need_gate_up, need_down, need_weights, need_gate_up_bias, need_down_bias = ctx.needs_input_grad[:6]
-        gemm, ops = ctx.gemm, ctx.ops
-        n_valid = offsets[-1:]
-        dx = d_gate_up = d_down = d_gate_up_bias = d_down_bias = None
-        with torch.autocast(grad_out.device.type, enabled=False):
-            dy, dw = ops["combine_backward"](grad_out.contiguous(), y if need_weights else None, perm, weights,
-                                             n_valid, gate_up.dtype, down_bias, row_experts)
-            if need_down_bias:
-                d_down_bias = ops["expert_sums"](dy, offsets, row_experts).to(down_bias.dtype)
-            if h is not None:  # saved where x, a weight or the first bias needs a gradient
-                dh, a = ops["activation_backward"](h, rows_mm(dy, down, offsets, gemm), n_valid, ctx.act,
-                                                   gate_up_bias, row_experts)
-                gate_up_t, down_t = ctx.transposed
-                d_down = _wgrad(dy, a, offsets, gemm, down_t).to(ctx.param_dtype) if need_down else None
-                del dy, a
-                if need_gate_up_bias:
-                    d_gate_up_bias = ops["expert_sums"](dh, offsets, row_experts).to(gate_up_bias.dtype)
-                d_gate_up = _wgrad(dh, xs, offsets, gemm, gate_up_t).to(ctx.param_dtype) if need_gate_up else None
-                if need_x:
-                    dx = ops["combine"](rows_mm(dh, gate_up, offsets, gemm), pos, None, n_valid, ctx.hidden_dtype)
-        return dx, d_gate_up, d_down, dw, d_gate_up_bias, d_down_bias, *([None] * 8)
-
-
-def _stored_transposed(weight: torch.Tensor) -> bool:
-    """A (E, N, K) weight that is the transposed view of an (E, K, N) tensor (transformers' ``is_transposed``)."""
-    return weight.stride(1) < weight.stride(2)
-
-
-def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, gemm: str, transposed: bool) -> torch.Tensor:
-    """Per expert, a[rows]^T @ b[rows] (E, M, N), in the layout of the weight it is the gradient of: for a weight
-    stored transposed, (b^T a)^T, so that the parameter gets its gradient without a copy."""
-    return wgrad_mm(b, a, offsets, gemm).transpose(1, 2) if transposed else wgrad_mm(a, b, offsets, gemm)
-
-
-@compile_disabled  # under torch.compile the layer runs eagerly: dynamo cannot trace its autotuned Triton launches
 def experts_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -192,13 +101,23 @@ def experts_forward(
     biases = [_checked_bias(name, bias, rows, gate_up_proj) for name, bias, rows in (
         ("gate_up_proj_bias", gate_up_proj_bias, gate_up_proj.shape[1]),
         ("down_proj_bias", down_proj_bias, down_proj.shape[1]))]
-    gemm = gemm if gemm is not None else os.environ.get("FLCE_EXPERTS_GEMM", "auto")
     device = hidden_states.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else gate_up_proj.dtype
-    ops = elementwise_ops(resolve_elementwise(elementwise, device, dtype))
+    weights = top_k_weights.contiguous()
+    if torch.compiler.is_compiling():  # traced: one custom op, no graph break; the paths resolved when it runs
+        _check_paths(gemm, elementwise)
+        return experts_op(hidden_states, top_k_index, weights, gate_up_proj, down_proj, *biases, dtype, gemm,
+                          elementwise, act)
+    plan = plan_for(device, dtype, gemm_path(gemm), elementwise, act)
     routes = route_pairs(top_k_index, gate_up_proj.shape[0])
-    return ExpertsFunction.apply(hidden_states, gate_up_proj, down_proj, top_k_weights.contiguous(), *biases,
-                                 routes.perm, routes.pos, routes.offsets, routes.experts, dtype, gemm, ops, act)
+    return ExpertsFunction.apply(hidden_states, gate_up_proj, down_proj, weights, *biases, routes, plan)
+
+
+def _check_paths(gemm: str | None, elementwise: str) -> None:
+    if gemm is not None and gemm not in GEMM_PATHS:
+        raise ValueError(f"gemm must be one of {GEMM_PATHS}, got {gemm!r}")
+    if elementwise not in ELEMENTWISE_BACKENDS:
+        raise ValueError(f"elementwise must be one of {ELEMENTWISE_BACKENDS}, got {elementwise!r}")
 
 
 def _activation(kind, limit, alpha, up_offset, interleaved, gate_softcap, up_softcap) -> Activation:

@@ -25,6 +25,8 @@ unless told otherwise.
 
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 from typing import Callable
 
@@ -86,6 +88,14 @@ def _tma_ok(device: torch.device, dtype: torch.dtype, operands: tuple[torch.Tens
     from .experts_triton import tma_ok
 
     return tma_ok(*operands)
+
+
+def gemm_path(gemm: str | None) -> str:
+    """The GEMM path asked for: ``gemm``, else ``FLCE_EXPERTS_GEMM``, else "auto"."""
+    gemm = gemm if gemm is not None else os.environ.get("FLCE_EXPERTS_GEMM", "auto")
+    if gemm not in GEMM_PATHS:
+        raise ValueError(f"gemm must be one of {GEMM_PATHS}, got {gemm!r}")
+    return gemm
 
 
 def _candidates(path: str, kind: str, device: torch.device, dtype: torch.dtype,
@@ -235,6 +245,7 @@ def resolve_elementwise(backend: str, device: torch.device, dtype: torch.dtype) 
     return backend
 
 
+@functools.cache  # one dict per backend: read at every layer call's forward and backward
 def elementwise_ops(backend: str) -> dict[str, Callable]:
     """activation, activation_backward, combine, combine_backward, expert_sums for a resolved backend."""
     if backend == "triton":
