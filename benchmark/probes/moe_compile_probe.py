@@ -6,7 +6,8 @@ op). The variants take turns in rounds. ``--trace``: what stays allocated betwee
 step's peak, per experts backend (found the patch's reference cycle that kept a deleted model's weights and
 gradients, fixed in apply.py). GPU only:
 
-    PYTHONPATH=src python benchmark/probes/moe_compile_probe.py [--layers 4] [--tokens 8192] [--trace]
+    PYTHONPATH=src python benchmark/probes/moe_compile_probe.py [--layers 4] [--tokens 8192] [--mode reduce-overhead]
+        [--modes eager,compiled] [--trace]
 """
 from __future__ import annotations
 
@@ -115,6 +116,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--mode", default=None, help="torch.compile's mode, e.g. reduce-overhead (CUDA graphs)")
+    parser.add_argument("--modes", default="eager,compiled", help="eager, compiled or both")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--trace", action="store_true", help="what is alive at an eager step's peak, per backend")
@@ -130,9 +132,10 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
         return
-    models = {experts: build(args.layers, experts) for experts in BACKENDS}
     variants = [(mode, experts) for mode in ("eager", "compiled") for experts in BACKENDS
                 if (mode, experts) != ("eager", "flce_break")]  # eagerly flce_break is flce
+    variants = [v for v in variants if v[0] in args.modes.split(",")]
+    models = {experts: build(args.layers, experts) for experts in {e for _, e in variants}}
     steps, times = {}, {v: [] for v in variants}
     for mode, experts in list(variants):
         try:
@@ -146,7 +149,7 @@ def main() -> None:
         print(f"{mode:8s} {experts:10s} first call {info['first_s']:.1f} s, peak {info['first_peak']:.0f} MiB; "
               f"steady peak {info['peak']:.0f} MiB" + (f"; {info['graphs']} graphs" if mode == "compiled" else ""),
               flush=True)
-    for r in range(args.rounds):  # the variants take turns, starting one later each round
+    for r in range(args.rounds if variants else 0):  # the variants take turns, starting one later each round
         for v in variants[r % len(variants):] + variants[:r % len(variants)]:
             times[v] += event_times(steps[v], reps=args.reps, warmup=1)
     print(f"step (forward with labels + backward), median of {args.rounds} rounds x {args.reps} steps, "
