@@ -802,8 +802,9 @@ def test_gpu_tiny_mixtral_bf16_matches_eager():
 def test_compiled_tiny_mixtral_matches_eager(dev, monkeypatch):
     """torch.compile (aot_eager) of a Mixtral on flce's experts: the loss, aux loss and every gradient of the
     compiled steps equal transformers' eager experts run eagerly, through the cached graphs and a recompile for
-    a new sequence length. Each layer call is a graph break (compiler-disabled): on a GPU dynamo failed on the
-    autotuned Triton launches ("Can't construct an AttrSource without a valid base source")."""
+    a new sequence length. Each layer call is the custom op ``flce::experts``, traced (dynamo tracing into the
+    layer itself failed on a GPU at the autotuned Triton launches: "Can't construct an AttrSource without a valid
+    base source")."""
     import copy
 
     calls = []

@@ -14,10 +14,11 @@ GEMM paths (see ``experts_triton`` / ``experts_torch``):
   per expert and ``LOOP_MIN_WIDTH`` in both its output width and its reduction runs the ``loop``
   instead: there cuBLAS's dense GEMMs beat the grouped ones in the layer and the one host sync per
   layer call is small beside the work (layer timings on an H200 in benchmark/NOTES.md, Experts).
-  While a CUDA graph is being captured, under torch.compile, or with ``torch.cuda.set_sync_debug_mode``
-  on, no host sync is made: the fastest graph-safe path measured, else the first candidate, runs
-  (nothing is timed while capturing or compiling). Run one step before capturing (Triton's own
-  autotuning needs that too).
+  While a CUDA graph is being captured (torch.compile's ``mode="reduce-overhead"`` included), while dynamo
+  traces, or with ``torch.cuda.set_sync_debug_mode`` on, no host sync is made: the fastest graph-safe path
+  measured, else the first candidate, runs (nothing is timed then). Under torch.compile the layer is a custom
+  op whose body runs as it does eagerly, so a compiled graph's call measures and may sync as an eager one.
+  Run one step before capturing (Triton's own autotuning needs that too).
 
 Elementwise stages (the activation, combine, the biases' per-expert sums) use Triton on CUDA and torch elsewhere
 unless told otherwise.
