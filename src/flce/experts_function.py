@@ -82,8 +82,8 @@ def backward_rows(grad_out, xs, h, y, gate_up, down, weights, gate_up_bias, down
                   needs: tuple[bool, ...], transposed: tuple[bool, bool], hidden_dtype: torch.dtype):
     """The gradients of (hidden, gate_up, down, weights, gate_up_bias, down_bias) where ``needs`` says so, else None;
     the weights' gradients in the layout of a parameter stored ``transposed``, in plan.dtype, the biases' as float32
-    sums (float64 for float64). h is given exactly where x, a weight or the first bias needs a gradient, y where the routing
-    weights need one, xs where gate_up needs one."""
+    sums (float64 for float64). h is given exactly where x, a weight or the first bias needs a gradient, y where the
+    routing weights need one, xs where gate_up needs one."""
     need_x, need_gate_up, need_down, need_weights, need_gate_up_bias, need_down_bias = needs
     ops, gemm, offsets, n_valid = plan.ops, plan.gemm, routes.offsets, routes.offsets[-1:]
     dx = d_gate_up = d_down = d_gate_up_bias = d_down_bias = None
