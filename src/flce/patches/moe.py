@@ -2,8 +2,8 @@
 
 Only models whose experts it computes, every one of them, are switched (``has_experts_backend``: Mixtral,
 Qwen2/3-MoE, DeepSeek-V2/V3/V4, GPT-OSS, Nemotron-H, Inkling-2, OLMoE, GLM-4 MoE and most MoE families of
-transformers 5); a model with any other experts layout keeps its implementation. The previous implementation is remembered on the instance and put
-back by ``restore_experts``.
+transformers 5); a model with any other experts layout keeps its implementation. The previous implementation is
+remembered on the instance and put back by ``restore_experts``.
 """
 
 from __future__ import annotations
