@@ -44,7 +44,7 @@ import torch
 
 from .experts_function import ExpertsFunction, experts_op, plan_for, route_pairs
 from .import_hooks import compile_disabled, when_imported
-from .kernels.experts_dispatch import ELEMENTWISE_BACKENDS, GEMM_PATHS, gemm_path
+from .kernels.experts_dispatch import ELEMENTWISE_BACKENDS, GEMM_PATHS, check_choice, gemm_path
 from .kernels.experts_torch import RELU2, SWIGLU, Activation, activation_torch
 
 BACKEND_NAME = "flce"
@@ -105,19 +105,14 @@ def experts_forward(
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else gate_up_proj.dtype
     weights = top_k_weights.contiguous()
     if torch.compiler.is_compiling():  # traced: one custom op, no graph break; the paths resolved when it runs
-        _check_paths(gemm, elementwise)
+        if gemm is not None:
+            check_choice("gemm", gemm, GEMM_PATHS)
+        check_choice("elementwise", elementwise, ELEMENTWISE_BACKENDS)
         return experts_op(hidden_states, top_k_index, weights, gate_up_proj, down_proj, *biases, dtype, gemm,
                           elementwise, act)
     plan = plan_for(device, dtype, gemm_path(gemm), elementwise, act)
     routes = route_pairs(top_k_index, gate_up_proj.shape[0])
     return ExpertsFunction.apply(hidden_states, gate_up_proj, down_proj, weights, *biases, routes, plan)
-
-
-def _check_paths(gemm: str | None, elementwise: str) -> None:
-    if gemm is not None and gemm not in GEMM_PATHS:
-        raise ValueError(f"gemm must be one of {GEMM_PATHS}, got {gemm!r}")
-    if elementwise not in ELEMENTWISE_BACKENDS:
-        raise ValueError(f"elementwise must be one of {ELEMENTWISE_BACKENDS}, got {elementwise!r}")
 
 
 def _activation(kind, limit, alpha, up_offset, interleaved, gate_softcap, up_softcap) -> Activation:

@@ -216,8 +216,8 @@ def _experts_backward_op(grad_out, xs, h, y, gate_up, down, weights, gate_up_bia
     grads = backward_rows(grad_out, xs, h if saved_h else None, y, gate_up.to(dtype), down.to(dtype), weights,
                           gate_up_bias, down_bias, Routes(perm, pos, offsets, experts), plan, tuple(needs),
                           tuple(transposed), grad_out.dtype)
-    grads = [g.transpose(1, 2) if i in (1, 2) and g is not None and flip else g  # the contiguous storage
-             for i, (g, flip) in enumerate(zip(grads, (False, *transposed, False, False, False)))]
+    flips = (False, *transposed, False, False, False)  # the weights' gradients as their contiguous storage
+    grads = [g.transpose(1, 2) if flip and g is not None else g for g, flip in zip(grads, flips)]
     return tuple(g if g is not None else grad_out.new_empty(0) for g in grads)
 
 

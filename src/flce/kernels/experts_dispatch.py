@@ -91,18 +91,22 @@ def _tma_ok(device: torch.device, dtype: torch.dtype, operands: tuple[torch.Tens
     return tma_ok(*operands)
 
 
+def check_choice(name: str, value, choices: tuple) -> None:
+    """A ValueError naming the argument unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
 def gemm_path(gemm: str | None) -> str:
     """The GEMM path asked for: ``gemm``, else ``FLCE_EXPERTS_GEMM``, else "auto"."""
     gemm = gemm if gemm is not None else os.environ.get("FLCE_EXPERTS_GEMM", "auto")
-    if gemm not in GEMM_PATHS:
-        raise ValueError(f"gemm must be one of {GEMM_PATHS}, got {gemm!r}")
+    check_choice("gemm", gemm, GEMM_PATHS)
     return gemm
 
 
 def _candidates(path: str, kind: str, device: torch.device, dtype: torch.dtype,
                 operands: tuple[torch.Tensor, ...]) -> list[str]:
-    if path not in GEMM_PATHS:
-        raise ValueError(f"gemm must be one of {GEMM_PATHS}, got {path!r}")
+    check_choice("gemm", path, GEMM_PATHS)
     if path == "triton_tma" and kind == "wgrad":
         path = "triton"
     if path == "triton_tma" and not _tma_ok(device, dtype, operands):
@@ -237,8 +241,7 @@ def wgrad_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, path: str 
 
 def resolve_elementwise(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """'auto' is Triton on CUDA for float16/bfloat16/float32 and torch otherwise."""
-    if backend not in ELEMENTWISE_BACKENDS:
-        raise ValueError(f"elementwise must be one of {ELEMENTWISE_BACKENDS}, got {backend!r}")
+    check_choice("elementwise", backend, ELEMENTWISE_BACKENDS)
     if backend == "auto":
         return "triton" if device.type == "cuda" and _triton_ok(device, dtype) else "torch"
     if backend == "triton" and not _triton_ok(device, dtype):
