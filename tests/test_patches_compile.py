@@ -35,6 +35,23 @@ def test_the_fused_loss_is_the_only_graph_break():
     assert any("embedding" in op for op in backbone) and len(backbone) > 50, backbone
 
 
+def test_no_graph_break_before_the_fused_loss():
+    """Not even one that leaves no graph behind (``explain`` does not count those): the patched forward's own
+    checks trace (no ContextVar read unless an old TRL trainer was guarded)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama", num_hidden_layers=1)
+    with patched(model):
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            torch.compile(model, backend="eager")(**tiny_batch())
+            reasons = list(counters["graph_break"])
+        finally:
+            torch._dynamo.reset()
+    assert reasons and all(FUSED_LOSS in reason for reason in reasons), reasons
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: the softcap is traced into the fused loss
 def test_compiled_patched_step_equals_eager(family):
     model = tiny_model(family, head_scale=20.0, num_hidden_layers=1)

@@ -44,6 +44,7 @@ _CALLER_MODULE = "trl.trainer.utils"  # add_fused_lm_head's forward calls _Chunk
 _NAME = "_ChunkedLogProbFunction"
 _routed: dict[str, object] = {}  # "kernel": TRL's own function while routed
 _in_old_trl_loss = contextvars.ContextVar("flce_in_old_trl_loss", default=False)
+_old_trl_guarded: list[type] = []  # the old SFTTrainer classes whose compute_loss sets _in_old_trl_loss
 
 
 class TrlHeadOnFlce:
@@ -144,7 +145,9 @@ def passes_through(kwargs: dict) -> bool:
     """Whether flce's patched forward must hand this call, untouched, to the forward it wraps: TRL's
     fused-head calls (``fused_lm_head=True``: TRL's forward serves them, on flce's kernels once routed),
     and with TRL before 1.16 every call inside ``SFTTrainer.compute_loss``."""
-    return bool(kwargs.get("fused_lm_head")) or _in_old_trl_loss.get()
+    # The context variable is read only once an old TRL was guarded: dynamo cannot trace ContextVar.get, and a
+    # graph break at the top of every patched forward would cost torch.compile users a resume per call.
+    return bool(kwargs.get("fused_lm_head")) or (bool(_old_trl_guarded) and _in_old_trl_loss.get())
 
 
 def _zero3_gather():
@@ -187,6 +190,7 @@ def _guard(cls: type) -> None:
 
     compute_loss.__flce_guard__ = True
     cls.compute_loss = compute_loss
+    _old_trl_guarded.append(cls)
 
 
 def _trl_version() -> str:
