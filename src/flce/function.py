@@ -289,6 +289,24 @@ def scaled_operand(x_c: torch.Tensor, scale: torch.Tensor, backend: str) -> torc
     return scale_into(x_c, scale, x_c.dtype, backend, out=torch.empty_like(x_c))
 
 
+def weight_grad_new(dl: torch.Tensor, x_c: torch.Tensor, g: torch.Tensor, dtype: torch.dtype,
+                    backend: str) -> torch.Tensor:
+    """dl.t() @ (x_c * g) as a new (V, H) tensor of ``dtype``, x_c * g rounded once to x_c's dtype. dl (n, V), x_c
+    (n, H), g 0-d. At few rows one write-bound Triton launch (``thin_wgrad_triton``), else cuBLAS."""
+    if backend == "triton" and g.dim() == 0 and dl.dtype == x_c.dtype and dl.dtype in _thin_dtypes(dl.device):
+        from .kernels.thin_wgrad_triton import THIN_K, thin_wgrad_triton
+
+        if dl.shape[0] <= THIN_K:
+            out = torch.empty(dl.shape[1], x_c.shape[1], dtype=dtype, device=dl.device)
+            return thin_wgrad_triton(dl, x_c, g, out)
+    return mm_new(dl.t(), scaled_operand(x_c, g, backend), dtype)
+
+
+def _thin_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
+    # Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584)
+    return (torch.float16, torch.bfloat16) if device.type == "cuda" else (torch.float16,)
+
+
 def _scaled_piece(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, backend: str) -> None:
     wide = math_dtype(a.dtype)
     product = out if out.dtype == wide else torch.empty_like(out, dtype=wide)  # a dense out's layout
@@ -397,7 +415,7 @@ def finish_pending(p: PendingGrads, x_c: torch.Tensor, w: torch.Tensor, g: torch
         grads.input = scaled_product_into(torch.empty(x_c.shape, dtype=x_dtype, device=dl.device), dl, w, g, backend,
                                           pieces=True)
     if needs[1]:
-        grads.weight = mm_new(dl.t(), scaled_operand(x_c, g, backend), w_dtype)
+        grads.weight = weight_grad_new(dl, x_c, g, w_dtype, backend)
     if needs[2]:
         b = column_sums_into(torch.empty(dl.shape[1], dtype=acc, device=dl.device), dl, accumulate=False)
         grads.bias = scale_into(b, g, b_dtype, backend)
