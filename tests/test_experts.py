@@ -546,6 +546,20 @@ def test_route_pairs_sorts_stably_and_inverts():
     assert torch.equal(routes.perm[routes.pos.reshape(-1)], flat)
 
 
+@pytest.mark.parametrize("num_experts", [5, 40000])  # int16 sort keys, and int32 where the experts do not fit
+def test_route_pairs_matches_a_python_stable_sort(num_experts, device):
+    """Ids outside [0, E) (past int16's range too) are dropped; the rest sorted stably; experts as int64."""
+    ids = torch.randint(0, num_experts, (37, 3))
+    ids[3, 1], ids[10, 0], ids[20, 2] = -3, 70000, num_experts
+    routes = fx.route_pairs(ids.to(device), num_experts)
+    flat = ids.reshape(-1).tolist()
+    kept = sorted((e, p) for p, e in enumerate(flat) if 0 <= e < num_experts)
+    assert routes.perm[:len(kept)].tolist() == [p for _, p in kept]
+    assert routes.experts.dtype == torch.int64 and routes.experts.tolist() == [e for e, _ in kept] + [num_experts] * 3
+    counts = torch.bincount(torch.tensor([e for e, _ in kept]), minlength=num_experts)
+    assert routes.offsets.tolist() == [0, *torch.cumsum(counts, 0).tolist()]
+
+
 @pytest.mark.parametrize("bad,error", [
     (lambda a: {**a, "hidden_states": a["hidden_states"][None]}, ValueError),
     (lambda a: {**a, "top_k_index": a["top_k_index"].float()}, TypeError),

@@ -35,15 +35,18 @@ class Routes:
 
 
 def route_pairs(top_k_index: torch.Tensor, num_experts: int) -> Routes:
-    """Sort the (T, k) routing choices by expert, on the device (stable: ties keep token order)."""
+    """Sort the (T, k) routing choices by expert, on the device (stable: ties keep token order). The keys are sorted
+    as int16 where the experts fit (an int64 radix sort makes four times the passes: on an H200 route_pairs took
+    ~226 us of host and GPU time per layer call at 1024 tokens, ~144 with int16 keys)."""
     ids = top_k_index.reshape(-1)
-    keys = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    key_dtype = torch.int16 if num_experts < torch.iinfo(torch.int16).max else torch.int32
+    keys = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts).to(key_dtype)
     sorted_keys, perm = torch.sort(keys, stable=True)
-    bounds = torch.arange(num_experts + 1, device=ids.device, dtype=sorted_keys.dtype)
+    bounds = torch.arange(num_experts + 1, device=ids.device, dtype=key_dtype)
     offsets = torch.searchsorted(sorted_keys, bounds, out_int32=True)
     rows = torch.arange(perm.numel(), device=ids.device)
     pos = torch.empty_like(perm).scatter_(0, perm, rows)
-    return Routes(perm=perm, pos=pos.view(top_k_index.shape), offsets=offsets, experts=sorted_keys)
+    return Routes(perm=perm, pos=pos.view(top_k_index.shape), offsets=offsets, experts=sorted_keys.long())
 
 
 @dataclass(frozen=True)
