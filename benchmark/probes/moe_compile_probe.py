@@ -4,10 +4,14 @@ compiled, its experts on transformers' grouped_mm, on flce (under compile the cu
 into the graph) or on ``flce_break`` (flce's layer behind a graph break, run eagerly: how it ran before the custom
 op). The variants take turns in rounds. ``--trace``: what stays allocated between eager steps and what is alive at a
 step's peak, per experts backend (found the patch's reference cycle that kept a deleted model's weights and
-gradients, fixed in apply.py). GPU only:
+gradients, fixed in apply.py). ``--profile``: per variant, the wall time and the GPU's kernel time per step, kernels
+per step and the host's busiest ops (torch.profiler). Each step zeroes the gradients first, as a training loop does;
+``--accumulate`` keeps them instead (as this probe did before 2026-11-27: under ``mode="reduce-overhead"`` with the
+first step compiled, every backend then fails at its second step, the accumulated ``.grad`` being a CUDA graph's
+output that the next replay overwrites). GPU only:
 
     PYTHONPATH=src python benchmark/probes/moe_compile_probe.py [--layers 4] [--tokens 8192] [--mode reduce-overhead]
-        [--modes eager,compiled] [--trace]
+        [--modes eager,compiled] [--trace] [--profile] [--accumulate]
 """
 from __future__ import annotations
 
@@ -47,12 +51,15 @@ def build(layers: int, experts: str) -> torch.nn.Module:
     return model
 
 
-def first_step(model, ids, compiled: bool, mode: str | None = None):
-    """The step function (forward with labels + backward) and its first call's seconds, peak memory (MiB: compiling,
-    autotuning, the experts' path timing) and graph count (compiled: how many graphs dynamo made)."""
+def first_step(model, ids, compiled: bool, mode: str | None = None, accumulate: bool = False):
+    """The step function (gradients zeroed unless ``accumulate``, forward with labels, backward) and its first call's
+    seconds, peak memory (MiB: compiling, autotuning, the experts' path timing) and graph count (compiled: how many
+    graphs dynamo made)."""
     forward = torch.compile(model, mode=mode) if compiled else model
 
     def step():
+        if not accumulate:
+            model.zero_grad(set_to_none=True)
         if mode == "reduce-overhead":  # a new step: the CUDA graphs may reuse the last step's outputs
             torch.compiler.cudagraph_mark_step_begin()
         forward(input_ids=ids, labels=ids).loss.backward()
@@ -110,6 +117,28 @@ def trace_peak(model, ids) -> None:
         print(f"   {event['size'] / 2**20:9.1f} MiB  {_where(event.get('frames', []))}")
 
 
+def profile_steps(step, steps: int = 5) -> None:
+    """Wall and GPU kernel time per step, kernels per step, and the ops with the most host time (self)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps * 1e3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    gpu = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+    print(f"   wall {wall:.2f} ms a step, GPU kernels {gpu:.2f} ms, {sum(e.count for e in kernels) / steps:.0f} "
+          "kernels a step; most host time (self):")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]:
+        print(f"   {e.self_cpu_time_total / steps / 1e3:7.2f} ms a step in {e.count // steps:4d} calls  {e.key[:70]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4)
@@ -120,8 +149,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--trace", action="store_true", help="what is alive at an eager step's peak, per backend")
+    parser.add_argument("--profile", action="store_true", help="wall, GPU kernel time and host ops per variant")
+    parser.add_argument("--accumulate", action="store_true", help="keep the gradients across steps (no zero_grad)")
     args = parser.parse_args()
-    ids = torch.randint(0, 32000, (args.tokens // args.seq, args.seq), device="cuda")
+    seq = min(args.seq, args.tokens)  # fewer tokens than --seq: one sequence of them all
+    ids = torch.randint(0, 32000, (args.tokens // seq, seq), device="cuda")
     print(f"Qwen3-MoE, {args.layers} layers (H 2048, I 768, E 128, top-8), {args.tokens} tokens, bf16, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"compile mode {args.mode}")
@@ -139,7 +171,8 @@ def main() -> None:
     steps, times = {}, {v: [] for v in variants}
     for mode, experts in list(variants):
         try:
-            steps[mode, experts], info = first_step(models[experts], ids, mode == "compiled", args.mode)
+            steps[mode, experts], info = first_step(models[experts], ids, mode == "compiled", args.mode,
+                                                    args.accumulate)
             info["peak"] = steady_peak(steps[mode, experts])
         except RuntimeError as error:  # e.g. CUDA graphs across graph breaks: reported, left out of the rounds
             print(f"{mode:8s} {experts:10s} failed: {str(error).splitlines()[0][:300]}", flush=True)
@@ -149,6 +182,8 @@ def main() -> None:
         print(f"{mode:8s} {experts:10s} first call {info['first_s']:.1f} s, peak {info['first_peak']:.0f} MiB; "
               f"steady peak {info['peak']:.0f} MiB" + (f"; {info['graphs']} graphs" if mode == "compiled" else ""),
               flush=True)
+        if args.profile:
+            profile_steps(steps[mode, experts])
     for r in range(args.rounds if variants else 0):  # the variants take turns, starting one later each round
         for v in variants[r % len(variants):] + variants[:r % len(variants)]:
             times[v] += event_times(steps[v], reps=args.reps, warmup=1)

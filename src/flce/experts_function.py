@@ -36,8 +36,8 @@ class Routes:
 
 def route_pairs(top_k_index: torch.Tensor, num_experts: int) -> Routes:
     """Sort the (T, k) routing choices by expert, on the device (stable: ties keep token order). The keys are sorted
-    as int16 where the experts fit (an int64 radix sort makes four times the passes: on an H200 route_pairs took
-    ~226 us of host and GPU time per layer call at 1024 tokens, ~144 with int16 keys)."""
+    as int16 where the experts fit: an int64 radix sort makes four times the passes (on an H200, 1024 tokens, top-8 of
+    128: 102-109 us of GPU time per call with int64 keys, 58-62 with int16; the host's time the same)."""
     ids = top_k_index.reshape(-1)
     key_dtype = torch.int16 if num_experts < torch.iinfo(torch.int16).max else torch.int32
     keys = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts).to(key_dtype)
