@@ -7,27 +7,19 @@ bf16 (and a float32 gradient at K = 16). CUDA-event medians, variants taking tur
 from __future__ import annotations
 
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import triton
 
-from flce.function import scaled_operand
-from flce.gemm import mm_new, padded_rows
-from flce.kernels import thin_wgrad_triton as thin
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from breakdown import event_times  # noqa: E402
+from flce.function import scaled_operand  # noqa: E402
+from flce.gemm import mm_new, padded_rows  # noqa: E402
+from flce.kernels import thin_wgrad_triton as thin  # noqa: E402
 
 TILINGS = [(128, 128, 8), (128, 256, 8), (64, 256, 4), (256, 128, 8), (64, 128, 4), (128, 64, 4)]  # (M, N, warps)
-
-
-def median_ms(fn, reps: int = 40) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def tiled(dl, x, g, out_dtype, block_m, block_n, warps):
@@ -63,7 +55,7 @@ def main() -> None:
                 times = {name: [] for name in fns}
                 for _ in range(3):
                     for name, fn in fns.items():
-                        times[name].append(median_ms(fn))
+                        times[name].append(statistics.median(event_times(fn, reps=40, warmup=1)))
                 gb = vocab * hidden * out_dtype.itemsize / 1e9
                 best = min((min(v), name) for name, v in times.items() if name != "cublas")
                 print(f"V {vocab} H {hidden} K {k:3d} {str(out_dtype)[6:]:8s} out {gb:.2f} GB | "
