@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from reference import poisoned_padded_copy
+from conftest import DEVICE
+from reference import TOL, poisoned_padded_copy, reference_loss, rel_err
 
+import flce
 from flce import function
 from flce.kernels import triton_available
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # bf16 only on a GPU: the CPU interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)
 DTYPES = [torch.float16, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float16]
 needs_triton = pytest.mark.skipif(not triton_available(DEVICE), reason="triton cannot run here")
@@ -80,9 +81,7 @@ def test_weight_grad_new_routes_few_rows_to_the_kernel(backend, k, monkeypatch):
 def test_loss_at_few_rows_takes_the_kernel(n, grad_output, monkeypatch):
     """flce.linear_cross_entropy at a few rows (one chunk, mean): grad_weight from the thin kernel, with the mean's
     scale and grad_output, against float64 autograd; grad_input as before."""
-    import flce
     from flce.kernels import thin_wgrad_triton as thin
-    from reference import TOL, reference_loss, rel_err
 
     calls, real = [], thin.thin_wgrad_triton
     monkeypatch.setattr(thin, "thin_wgrad_triton", lambda *a: calls.append(1) or real(*a))
