@@ -152,6 +152,19 @@ def test_results_are_written_before_the_plots(tmp_path, monkeypatch):
                for n in json.loads((tmp_path / "results.json").read_text())["meta"]["notes"])
 
 
+def test_with_setting_sets_attributes_before_the_script_runs(tmp_path):
+    """probes/with_setting.py: the A/B wrapper sets each module attribute, then runs the script with its own argv."""
+    script = tmp_path / "show.py"
+    script.write_text("import sys\nimport flce.function as f\nfrom flce.kernels import logits_triton as m\n"
+                      "print(m.MIN_ROWS, f._thin_dtypes('cuda'), sys.argv[1:])\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmark" / "probes" / "with_setting.py"),
+                           "flce.kernels.logits_triton.MIN_ROWS=16", "flce.function._thin_dtypes=lambda device: ()",
+                           "--", str(script), "--flag"], capture_output=True, text=True, env=_env_with_src(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["16", "()", "['--flag']"]
+
+
 def test_bad_sweep_and_method_names_raise():
     args = types.SimpleNamespace(device=torch.device("cpu"), quick=False, sweep="nosuch", shapes=None,
                                  dtype=None, modes=None, methods="flce")
