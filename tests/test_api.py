@@ -333,7 +333,8 @@ def test_skips_gradients_nobody_needs(backend, device, monkeypatch):
 
     calls = []
     real = fn.mm_into
-    monkeypatch.setattr(fn, "mm_into", lambda out, a, b, accumulate: calls.append(out.shape) or real(out, a, b, accumulate=accumulate))
+    monkeypatch.setattr(fn, "mm_into", lambda out, a, b, accumulate: calls.append(out.shape)
+                        or real(out, a, b, accumulate=accumulate))
     x, w, _, t, _ = make_case((12,), 8, 20, torch.float32, device)
     w.requires_grad_(False)
 

@@ -26,7 +26,7 @@ def run(backend, logits, target, opts, class_weight=None, grad_scale=None, stats
     buf = logits.clone()
     if padded:
         buf = poisoned_padded_copy(logits)
-    loss, lse = torch.full((n,), float("nan"), device=logits.device), torch.full((n,), float("nan"), device=logits.device)
+    loss, lse = (torch.full((n,), float("nan"), device=logits.device) for _ in range(2))
     correct = torch.full((n,), float("nan"), device=logits.device) if stats else None
     weight_sum = class_weight.sum() if class_weight is not None else None
     ce_chunk(backend, buf, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts)

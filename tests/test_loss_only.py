@@ -1,6 +1,7 @@
 """A loss without gradients (loss_only.py, logits_triton.tile_stats, exp_rows_triton.loss_rows): against
 float64 for every option it takes (z-loss, softcap and label smoothing too), to float32 precision (it reads no rounded
-logits), the calls that keep the chunked path, loss_only_runs split by the statistics budget, and NaN for an unchecked bad target.
+logits), the calls that keep the chunked path, loss_only_runs split by the statistics budget, and NaN for an unchecked
+bad target.
 
 On the CPU it runs under TRITON_INTERPRET=1 with small tiles and in float16 (the interpreter reads bf16
 through tensor descriptors wrongly); on a Hopper GPU in bf16 at real sizes."""

@@ -248,7 +248,8 @@ def test_class_patch_after_the_trainer(tmp_path, spy):
         trainer.train()
     seen = spy()
     assert seen["flce_stats"] and seen["flce_grad"] and not seen["trl_forward"], seen
-    got = Run(torch.tensor([row["loss"] for row in trainer.state.log_history if "loss" in row]), update_of(model, start))
+    losses = torch.tensor([row["loss"] for row in trainer.state.log_history if "loss" in row])
+    got = Run(losses, update_of(model, start))
     assert_same_training(got, want, "class patched after the trainer")
 
 

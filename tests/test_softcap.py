@@ -78,7 +78,8 @@ def test_kernel_tanh_is_accurate_everywhere():
 def sech2_cases() -> torch.Tensor:
     """|x| in [0, 100], both signs, fine enough to cross every binade of sech^2 down through the subnormal
     floats (|x| ~ 44 to 52) to 0 (beyond ~52), plus tiny |x| where sech^2 rounds to 1."""
-    x = torch.cat([torch.linspace(0, 100, 20001, dtype=torch.float64), torch.logspace(-30, 0, 301, dtype=torch.float64)])
+    x = torch.cat([torch.linspace(0, 100, 20001, dtype=torch.float64),
+                   torch.logspace(-30, 0, 301, dtype=torch.float64)])
     return torch.cat([x, -x]).float()
 
 
