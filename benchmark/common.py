@@ -190,6 +190,24 @@ def host_us_per_call(fns: dict[str, Callable[[], Any]], rounds: int = 15, calls:
     return times
 
 
+def running_loop_ms(fn: Callable[[], Any], device: torch.device, steps: int = 300,
+                    warmup: int = 20) -> tuple[float, float]:
+    """(wall milliseconds per call over ``steps`` calls back to back with one sync at the end, the host's median
+    milliseconds inside a call): a running loop, where the GPU idles whenever the host is the slower of the two, so
+    that a launch-bound call's first figure is its host's time (unlike :func:`host_us_per_call`'s held-busy GPU)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    inside = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        inside.append(time.perf_counter() - t0)
+    sync(device)
+    return (time.perf_counter() - start) / steps * 1e3, statistics.median(inside) * 1e3
+
+
 def peak_extra_mb(fn: Callable[[], Any], device: torch.device) -> float:
     """Peak memory allocated during ``fn()`` above what was allocated before it, in MiB.
 

@@ -152,6 +152,21 @@ def test_results_are_written_before_the_plots(tmp_path, monkeypatch):
                for n in json.loads((tmp_path / "results.json").read_text())["meta"]["notes"])
 
 
+def test_running_loop_ms_reads_the_loop_and_the_host_inside_each_call():
+    """running_loop_ms: wall time per call of a back-to-back loop and the median host time inside a call."""
+    import time
+
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.002)
+
+    wall, inside = common.running_loop_ms(fn, torch.device("cpu"), steps=5, warmup=2)
+    assert len(calls) == 7
+    assert 2.0 <= inside < 20.0 and 2.0 <= wall < 20.0
+
+
 def test_with_setting_sets_attributes_before_the_script_runs(tmp_path):
     """probes/with_setting.py: the A/B wrapper sets each module attribute, then runs the script with its own argv."""
     script = tmp_path / "show.py"

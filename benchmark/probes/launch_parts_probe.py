@@ -9,10 +9,9 @@ then a caught-up loop (the GPU idle between calls, as in a host-bound step). GPU
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
-from common import host_us_per_call
+from common import host_us_per_call, running_loop_ms
 from triton.runtime import driver
 
 from flce.checks import HostCopy
@@ -70,17 +69,6 @@ def trivial_step(threads: bool):
     return step
 
 
-def caught_up_us(fn, n: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e6
-
-
 def main() -> None:
     args, kwargs, grid, kernel = captured_launch()
     binder = _ce_kernel.device_caches[torch.cuda.current_device()][4]
@@ -119,7 +107,7 @@ def main() -> None:
             "trivial threads": pieces["trivial fn + grad, threads"],
             "trivial main": pieces["trivial fn + grad, main thread"]}
     for _ in range(3):
-        print("caught-up loop us:", {name: round(caught_up_us(fn), 1) for name, fn in loop.items()})
+        print("caught-up loop us:", {name: round(running_loop_ms(fn, dev)[0] * 1e3, 1) for name, fn in loop.items()})
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ backward on its CUDA device thread (the default) and on the calling thread
 (``torch.autograd.set_multithreading_enabled(False)``), two rounds, then one profiled step's CPU ops and kernels in
 time order with their thread. GPU only:
 
-    PYTHONPATH=src python benchmark/probes/step_host_probe.py [--phases] [BTxHxV ...]
+    PYTHONPATH=src:benchmark python benchmark/probes/step_host_probe.py [--phases] [BTxHxV ...]
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from common import running_loop_ms
 
 import flce
 
@@ -37,21 +38,6 @@ def variants(x, w, t):
         return torch.autograd.grad(F.cross_entropy((xs @ w.t()).float(), t), (xs, w))
 
     return {"flce": flce_step(), "flce unchecked": flce_step(validate_target=False), "eager": eager_step}
-
-
-def loop_times(fn) -> tuple[float, float]:
-    """(wall ms per step over STEPS steps, median host ms inside a call)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    inside = []
-    start = time.perf_counter()
-    for _ in range(STEPS):
-        t0 = time.perf_counter()
-        fn()
-        inside.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / STEPS * 1e3, statistics.median(inside) * 1e3
 
 
 def phase_times(x, w, t, loss, n: int = 200) -> list[float]:
@@ -123,7 +109,7 @@ def main() -> None:
         rounds = {name: [] for name in fns}
         for _ in range(3):
             for name, fn in fns.items():
-                rounds[name].append(loop_times(fn))
+                rounds[name].append(running_loop_ms(fn, x.device, STEPS))
         print(f"\n== {spec}: wall ms per step / host ms inside a call, three rounds")
         for name, r in rounds.items():
             print(f"{name:16s} " + "  ".join(f"{a:.3f}/{b:.3f}" for a, b in r))
