@@ -51,6 +51,7 @@ class Cell:
     precision: bool = False  # also measure grad_weight's error against float64
     dtype: torch.dtype = torch.bfloat16
     logit_std: float = 1.0
+    label: str = ""  # a name shown after the shape (the model a head is from)
 
     @property
     def shape(self) -> str:
@@ -59,6 +60,15 @@ class Cell:
 
 LLAMA3 = dict(hidden=4096, vocab=128256)
 FB = ("fwd+bwd",)
+# LM heads (H, V) of common model families, for the "heads" sweep at 8192 tokens: where small H or a large
+# vocabulary moves the chunk plan (planner.py) and the GEMMs' rate.
+MODEL_HEADS = {
+    "Qwen3-0.6B": (1024, 151936), "Llama-3.2-1B": (2048, 128256), "Gemma-3-4B": (2560, 262208),
+    "gpt-oss-20b": (2880, 201088), "Llama-3.2-3B": (3072, 128256), "Qwen2.5-7B": (3584, 152064),
+    "Mistral-7B-v0.3": (4096, 32768), "Llama-3.1-8B": (4096, 128256), "Qwen3-8B": (4096, 151936),
+    "Phi-4": (5120, 100352), "DeepSeek-V3": (7168, 129280), "Llama-3.1-70B": (8192, 128256),
+}
+QUICK_HEADS = ("Qwen3-0.6B", "Llama-3.2-1B", "Llama-3.1-8B")
 SWEEPS: dict[str, Callable[[bool], list[Cell]]] = {
     "headline": lambda quick: [Cell("headline", bt, **LLAMA3)
                                for bt in ((16, 1024, 8192) if quick else (1, 16, 64, 256, 1024, 8192, 32768))],
@@ -67,6 +77,8 @@ SWEEPS: dict[str, Callable[[bool], list[Cell]]] = {
     "hidden": lambda quick: [Cell("hidden", 8192, h, 128256)
                              for h in ((2048, 4096) if quick else (1024, 2048, 4096, 8192))],
     "small-vocab": lambda quick: [Cell("small-vocab", 8192, 2048, 32000)],
+    "heads": lambda quick: [Cell("heads", 8192, *MODEL_HEADS[name], FB, label=name)
+                            for name in (QUICK_HEADS if quick else MODEL_HEADS)],
     "precision": lambda quick: [Cell("precision", 32768, 1024, 32000, FB, precision=True),
                                 Cell("precision", 16384, 2048, 65536, FB, precision=True),
                                 Cell("precision", 8192, 4096, 128256, FB, precision=True),  # one chunk
@@ -468,10 +480,10 @@ def _run_cell(cell: Cell, methods: list[str], args, bandwidth: float, step) -> l
 
 
 def _cell_label(cell: Cell) -> str:
-    """The shape, the share of ignored targets and the logits' spread where not the default (the compact
-    table's cell column)."""
+    """The shape, the share of ignored targets and the logits' spread where not the default, and the cell's
+    label (the compact table's cell column)."""
     return cell.shape + (f" {cell.ignored:.0%} ign" if cell.ignored else "") + (
-        f" std {cell.logit_std:g}" if cell.logit_std != 1.0 else "")
+        f" std {cell.logit_std:g}" if cell.logit_std != 1.0 else "") + (f" {cell.label}" if cell.label else "")
 
 
 def _precision(make_step, ref: torch.Tensor, rounding: float, args) -> dict:

@@ -196,6 +196,17 @@ def test_bad_sweep_and_method_names_raise():
         suite_lce._cells(args)
 
 
+def test_heads_sweep_names_each_cell_by_its_model():
+    args = types.SimpleNamespace(device=torch.device("cuda"), quick=True, sweep="heads", shapes=None, dtype=None,
+                                 modes=None)
+    cells = suite_lce._cells(args)
+    assert [(c.hidden, c.vocab) for c in cells] == [suite_lce.MODEL_HEADS[n] for n in suite_lce.QUICK_HEADS]
+    assert all(c.bt == 8192 and c.modes == ("fwd+bwd",) for c in cells)
+    assert suite_lce._cell_label(cells[0]) == "8192x1024x151936 Qwen3-0.6B"
+    args.quick = False
+    assert len(suite_lce._cells(args)) == len(suite_lce.MODEL_HEADS)
+
+
 def test_experts_custom_cells_default_to_mixtral_routing():
     args = types.SimpleNamespace(device=torch.device("cpu"), quick=False, shapes="64x32x48,64x32x48x4,64x32x48x4x1")
     assert [(c.tokens, c.hidden, c.inter, c.experts, c.top_k) for c in suite_experts.cells(args)] == [

@@ -74,14 +74,15 @@ def plan_chunks(
         weight_grad_hidden: H when the weight gradient is wanted (0 otherwise).
 
     With the weight gradient wanted and the default accumulator, memory is spent where chunking would
-    spend it anyway. One chunk whenever every row's logits fit in the budget plus the float32 (V, H)
-    accumulator that several chunks need and one does not: the three GEMMs then run unchunked (grad_weight
-    written once in its own dtype, no accumulator read and written per chunk, no final cast); at
-    8192 x 4096 x 128256 the dlogits take the 2.1 GB the accumulator would. Otherwise the chunk buffer
-    gets the budget on top of the weight gradient's own size: forward frees the buffer before backward
-    casts the accumulator into that gradient, so only the budget adds to the peak (at 128256 x 4096:
-    6144 rows, 1.5 GB, and every chunk's accumulator pass is shared by three times as many rows as
-    with the budget alone).
+    spend it anyway. Several chunks hold, in forward, the float32 (V, H) accumulator and a chunk buffer of
+    the budget plus the weight gradient's own size (forward frees the buffer before backward casts the
+    accumulator into that gradient, so only the budget adds to the peak; at 128256 x 4096: 6144 rows,
+    1.5 GB, and every chunk's accumulator pass is shared by three times as many rows as with the budget
+    alone). One chunk whenever every row's logits fit in that same forward memory: the three GEMMs then run
+    unchunked (grad_weight written once in its own dtype, no accumulator read and written per chunk, no
+    final cast, and on Hopper no CE pass: ``exp_logits.py``); its backward holds the logits beside the new
+    gradient, so the peak may exceed the chunked plan's by that gradient's size (0.5 GB at 128256 x 2048,
+    where one chunk takes 8192 rows 8% faster than two; benchmark/NOTES.md, The chunk plan).
 
     Default accumulator: with one chunk the weight gradient is a single GEMM, so it is written straight
     in ``grad_dtype``; with several chunks partial sums are kept in float32 (or wider, if the gradient
@@ -89,13 +90,14 @@ def plan_chunks(
     """
     if chunk_size is None:
         row_bytes = max(padded_width(vocab, compute_dtype.itemsize) * compute_dtype.itemsize, 1)  # padded rows
-        saved = vocab * weight_grad_hidden * 4 if accum_dtype is None and grad_dtype.itemsize < 4 else 0
-        if n_rows * row_bytes <= memory_budget + saved:
+        chunked = accum_dtype is None and grad_dtype.itemsize < 4  # several chunks would sum in float32
+        if chunked:  # the accumulator, and the buffer's share freed before backward casts it into the gradient
+            memory_budget += vocab * weight_grad_hidden * (4 + grad_dtype.itemsize)
+        if n_rows * row_bytes <= memory_budget:
             rows = max(n_rows, 1)
         else:
-            if saved:  # the buffer is freed before backward casts the accumulator into a new gradient
-                memory_budget += vocab * weight_grad_hidden * grad_dtype.itemsize
-            rows = _balanced(n_rows, max(memory_budget // row_bytes, MIN_ROWS))
+            buffer = memory_budget - vocab * weight_grad_hidden * 4 if chunked else memory_budget
+            rows = _balanced(n_rows, max(buffer // row_bytes, MIN_ROWS))
     else:
         rows = max(min(chunk_size, n_rows), 1)
     rows = max(rows, 1)
