@@ -1,6 +1,8 @@
 """The chunk planner is a pure function: rows from the memory budget, accumulator from the chunk count."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 
 from flce.gemm import padded_width
@@ -119,6 +121,27 @@ def test_one_chunk_when_logits_fit_in_the_chunked_plan_s_forward_memory(hidden):
     assert small_h.rows * 128256 * 2 <= 128256 * 64 * 2 + DEFAULT_MEMORY_BUDGET
     # A user's chunk size still wins.
     assert plan_chunks(8192, **llama3, weight_grad_hidden=4096, chunk_size=2048).num_chunks == 4
+
+
+@given(n=st.integers(1, 200_000), vocab=st.integers(1, 300_000), hidden=st.integers(0, 16384),
+       dtypes=st.sampled_from([(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                               (torch.float16, torch.float16), (torch.float32, torch.float32)]),
+       budget=st.sampled_from([0, 2**20, DEFAULT_MEMORY_BUDGET]))
+def test_forward_memory_never_exceeds_what_chunks_would_hold(n, vocab, hidden, dtypes, budget):
+    """Forward holds at most the budget, plus, where several chunks would sum in float32, that accumulator and
+    the gradient's size (or MIN_ROWS rows); one chunk exactly when every row fits there."""
+    compute, grad = dtypes
+    plan = plan_chunks(n, vocab, compute, grad, memory_budget=budget, weight_grad_hidden=hidden)
+    row_bytes = padded_width(vocab, compute.itemsize) * compute.itemsize
+    accumulator = vocab * hidden * 4 if grad.itemsize < 4 else 0
+    buffer = budget + (vocab * hidden * grad.itemsize if accumulator else 0)
+    most = max(buffer // row_bytes, MIN_ROWS)
+    assert covered(plan)[0] == n
+    if n * row_bytes <= buffer + accumulator or n <= most:
+        assert plan.num_chunks == 1 and plan.accum_dtype == grad
+    else:
+        assert plan.num_chunks > 1 and plan.rows <= most
+        assert plan.accum_dtype == (torch.float32 if grad.itemsize < 4 else grad)
 
 
 def test_weight_grad_hidden_follows_requires_grad_and_grad_mode():

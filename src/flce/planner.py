@@ -90,13 +90,12 @@ def plan_chunks(
     """
     if chunk_size is None:
         row_bytes = max(padded_width(vocab, compute_dtype.itemsize) * compute_dtype.itemsize, 1)  # padded rows
-        chunked = accum_dtype is None and grad_dtype.itemsize < 4  # several chunks would sum in float32
-        if chunked:  # the accumulator, and the buffer's share freed before backward casts it into the gradient
-            memory_budget += vocab * weight_grad_hidden * (4 + grad_dtype.itemsize)
-        if n_rows * row_bytes <= memory_budget:
+        accumulator = vocab * weight_grad_hidden * 4 if accum_dtype is None and grad_dtype.itemsize < 4 else 0
+        # beside an accumulator the buffer also takes the gradient's size: freed before backward casts into it
+        buffer = memory_budget + (vocab * weight_grad_hidden * grad_dtype.itemsize if accumulator else 0)
+        if n_rows * row_bytes <= buffer + accumulator:  # what several chunks would hold in forward
             rows = max(n_rows, 1)
         else:
-            buffer = memory_budget - vocab * weight_grad_hidden * 4 if chunked else memory_budget
             rows = _balanced(n_rows, max(buffer // row_bytes, MIN_ROWS))
     else:
         rows = max(min(chunk_size, n_rows), 1)
