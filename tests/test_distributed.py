@@ -61,8 +61,11 @@ class Cluster:
     def _start(self) -> None:
         # Ranks fork from a fresh server process that imported these modules once: cheap starts, and
         # none of this process's state (a BLAS thread pool forked mid-use deadlocks the child's GEMMs).
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__, "transformers", "accelerate"])
+        # GPU ranks start by spawn: the server's imports (conftest's capability check) may have set up
+        # CUDA, which a forked child cannot use.
+        ctx = mp.get_context("spawn" if self.backend == "nccl" else "forkserver")
+        if self.backend != "nccl":
+            ctx.set_forkserver_preload([__name__, "transformers", "accelerate"])
         self.inboxes = [ctx.SimpleQueue() for _ in range(self.world)]
         self.outbox = ctx.Queue()
         port = _free_port()
