@@ -204,18 +204,20 @@ def _trl(x, w, t):
 TRL_VOCAB_TILE = 32768  # the vocabulary tile TRL's trainer passes (trl.trainer.utils)
 
 
-def _missing(module: str, cuda_only: bool = True, imports: str | None = None) -> Callable[[torch.device], str | None]:
-    """Why a peer cannot run here: not installed, not importable (``imports``: the module to try), or CPU."""
+def _missing(module: str, cuda_only: bool = True,
+             imports: tuple[str, ...] = ()) -> Callable[[torch.device], str | None]:
+    """Why a peer cannot run here: not installed, not importable (``imports``: the modules its call imports), or
+    CPU."""
     def why(device: torch.device) -> str | None:
         if importlib.util.find_spec(module) is None:
             return f"{module} is not installed"
         if cuda_only and device.type != "cuda":
             return "needs CUDA"
-        if imports:
+        for name in imports:
             try:
-                importlib.import_module(imports)
+                importlib.import_module(name)
             except Exception as exc:  # noqa: BLE001 - a broken optional install costs only its method
-                return f"cannot import {imports}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+                return f"cannot import {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
         return None
 
     return why
@@ -245,9 +247,10 @@ UNAVAILABLE: dict[str, Callable[[torch.device], str | None]] = {
     else f"torch {torch.__version__} has no F.linear_cross_entropy",
     "liger": _missing("liger_kernel"),
     "cce": _missing("cut_cross_entropy"),
-    "quack": _missing("quack", imports="quack.linear_cross_entropy"),
-    "quack-default": _missing("quack", imports="quack.linear_cross_entropy"),
-    "trl": _missing("trl", cuda_only=False, imports="trl.kernels.chunked_logprob"),
+    "quack": _missing("quack", imports=("quack.linear_cross_entropy",)),
+    "quack-default": _missing("quack", imports=("quack.linear_cross_entropy",)),
+    # TRL's kernel imports trl.trainer.utils (and with it TRL's dependencies, datasets among them) when called
+    "trl": _missing("trl", cuda_only=False, imports=("trl.kernels.chunked_logprob", "trl.trainer.utils")),
 }
 
 

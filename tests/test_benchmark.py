@@ -111,6 +111,17 @@ def test_cli_reports_missing_suite_and_filters(tmp_path):
     assert not list(tmp_path.glob("*.png"))
 
 
+def test_a_peer_whose_call_cannot_import_is_skipped_with_the_reason(monkeypatch):
+    """TRL's kernel imports trl.trainer.utils (and TRL's dependencies) when called: where that import fails the
+    peer is skipped with the import's error, not timed into an error row."""
+    pytest.importorskip("trl.kernels.chunked_logprob")
+    monkeypatch.setitem(sys.modules, "trl.trainer.utils", None)  # importing it now raises ImportError
+    why = suite_lce.UNAVAILABLE["trl"](torch.device("cpu"))
+    assert why is not None and why.startswith("cannot import trl.trainer.utils: ")
+    monkeypatch.undo()
+    assert suite_lce.UNAVAILABLE["trl"](torch.device("cpu")) is None
+
+
 def test_cli_without_rich_and_matplotlib(tmp_path):
     """Optional packages cost only their part: plain tables, no plots, a one-line note each."""
     blocked = tmp_path / "blocked"
