@@ -118,7 +118,7 @@ def test_a_peer_whose_call_cannot_import_is_skipped_with_the_reason(monkeypatch)
     monkeypatch.setitem(sys.modules, "trl.trainer.utils", None)  # importing it now raises ImportError
     why = suite_lce.UNAVAILABLE["trl"](torch.device("cpu"))
     assert why is not None and why.startswith("cannot import trl.trainer.utils: ")
-    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "trl.trainer.utils", types.ModuleType("trl.trainer.utils"))  # importable
     assert suite_lce.UNAVAILABLE["trl"](torch.device("cpu")) is None
 
 
