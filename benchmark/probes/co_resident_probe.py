@@ -49,7 +49,13 @@ def call_for(kind, cfg, per_sm, x, w, out, opts):
     def lse():
         top = mx.max(1, keepdim=True).values
         return top[:, 0] + (se * (mx - top).exp()).sum(1).log()
-    return call, lse
+
+    def stored():
+        """The stored tile as z: since 2afee14 the logits are stored less their tile max, added back here."""
+        if kind == "logits":
+            return out.float() + mx.repeat_interleave(cfg.block_n, dim=1)[:, :w.shape[0]]
+        return out.float()
+    return call, lse, stored
 
 
 def main():
@@ -65,14 +71,14 @@ def main():
         for kind in OUTPUTS:
             fns = {"cuBLAS mm": lambda: torch.mm(x, w.t(), out=out)}
             for cfg, per_sm in CONFIGS:
-                call, lse_of = call_for(kind, cfg, per_sm, x, w, out, opts)
+                call, lse_of, stored = call_for(kind, cfg, per_sm, x, w, out, opts)
                 name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} w{cfg.warps} p{per_sm}"
                 try:
                     kernel = call()
                     err = ((lse_of() - want_lse).abs().max()).item()
                     if kind != "stats":
                         ref = z.exp() if kind == "exp" else z
-                        err = max(err, ((out.float() - ref).abs().max() / ref.abs().max()).item())
+                        err = max(err, ((stored() - ref).abs().max() / ref.abs().max()).item())
                     assert err < 1e-2, f"wrong result: {err:.2e}"  # bf16 storage: 2^-8 relative
                     meta = kernel.metadata
                     print(f"  {kind} {name}: regs {kernel.n_regs} spills {kernel.n_spills} "
