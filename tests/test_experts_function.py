@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 from reference import TOL, assert_close
-from test_experts import (FORMS, KERNEL_DEVICE, TRITON, check, form_case, make_case, routing,
+from test_experts import (FORMS, KERNEL_DEVICE, TRITON, check, form_case, loop_reference, make_case, routing,
                           tiny_mixtral_config)
 
 import flce
@@ -128,6 +128,69 @@ def test_double_backward_is_refused():
         grad, = torch.autograd.grad(out.square().sum(), x, create_graph=True)
         with pytest.raises(RuntimeError):
             grad.sum().backward()
+
+
+def _saving(fn):
+    """fn()'s result and every tensor autograd saved while it ran (saved-tensor hooks that keep a reference)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        return fn(), saved
+
+
+def test_backward_frees_its_saved_activations():
+    """Eagerly, a backward that does not keep the graph frees the layer's saved activations (xs, h and y: the rows of
+    the T * k pairs) before it returns, so they do not add to its peak memory, and a second backward raises autograd's
+    own error; the weights and routing weights saved beside them are untouched."""
+    x, ids, weights, gate_up, down = make_case(9, 16, 12, 4, 2, torch.float64, "cpu")
+    out, saved = _saving(lambda: flce.experts_forward(x, ids, weights, gate_up, down, gemm="loop",
+                                                      elementwise="torch"))
+    pairs = [t for t in saved if t.dim() == 2 and t.shape[0] == ids.numel() and t.is_floating_point()]
+    assert len(pairs) == 3 and all(t.untyped_storage().nbytes() > 0 for t in pairs)
+    grad = torch.randn_like(out)
+    torch.autograd.grad(out, (x, weights, gate_up, down), grad, retain_graph=False)
+    assert all(t.untyped_storage().nbytes() == 0 for t in pairs)
+    kept = [t for t in saved if not any(t is p for p in pairs)]
+    assert any(t is weights for t in kept) and all(t.untyped_storage().nbytes() > 0 for t in kept)
+    with pytest.raises(RuntimeError, match="second time"):
+        torch.autograd.grad(out, (x, weights, gate_up, down), grad)
+
+
+def test_retained_graph_gives_the_same_gradients_twice():
+    """With retain_graph nothing is freed: both backwards give the float64 reference's gradients."""
+    x, ids, weights, gate_up, down = make_case(9, 16, 12, 4, 2, torch.float64, "cpu")
+    out = flce.experts_forward(x, ids, weights, gate_up, down, gemm="loop", elementwise="torch")
+    ref, ref_leaves = loop_reference(x, ids, weights, gate_up, down)
+    grad = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, ref_leaves, grad)
+    for retain in (True, False):
+        got = torch.autograd.grad(out, (x, weights, gate_up, down), grad, retain_graph=retain)
+        for name, g, w in zip(("x", "weights", "gate_up", "down"), got, want):
+            assert_close(g, w, TOL[torch.float64], f"grad {name}, retain_graph={retain}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_backward_peak_leaves_out_the_freed_activations():
+    """On the GPU the freed activations come off backward's peak: against a backward that keeps the graph, at least
+    the bytes of h and y less (their memory is reused by the weight gradients that follow)."""
+    tokens, hidden, inter, experts, top_k = 2048, 1024, 2048, 8, 2
+    x, ids, weights, gate_up, down = make_case(tokens, hidden, inter, experts, top_k, torch.bfloat16, "cuda")
+    freed = tokens * top_k * (2 * inter + hidden) * 2  # h (S, 2I) and y (S, H) in bf16
+    peaks = {}
+    for retain in (True, False):
+        out = flce.experts_forward(x, ids, weights, gate_up, down)
+        grad = torch.randn_like(out)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        torch.autograd.grad(out, (x, weights, gate_up, down), grad, retain_graph=retain)
+        torch.cuda.synchronize()
+        peaks[retain] = torch.cuda.max_memory_allocated() - start
+        del out, grad
+    assert peaks[True] - peaks[False] >= 0.9 * freed, peaks
 
 
 @pytest.mark.parametrize("bad", [{"gemm": "cublas"}, {"elementwise": "cuda"}, {"swiglu_limit": -1.0}])

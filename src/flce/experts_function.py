@@ -82,30 +82,53 @@ def forward_rows(hidden, gate_up, down, weights, gate_up_bias, down_bias, routes
 
 
 def backward_rows(grad_out, xs, h, y, gate_up, down, weights, gate_up_bias, down_bias, routes: Routes, plan: Plan,
-                  needs: tuple[bool, ...], transposed: tuple[bool, bool], hidden_dtype: torch.dtype):
+                  needs: tuple[bool, ...], transposed: tuple[bool, bool], hidden_dtype: torch.dtype,
+                  release: bool = False):
     """The gradients of (hidden, gate_up, down, weights, gate_up_bias, down_bias) where ``needs`` says so, else None;
     the weights' gradients in the layout of a parameter stored ``transposed``, in plan.dtype, the biases' as float32
     sums (float64 for float64). h is given exactly where x, a weight or the first bias needs a gradient, y where the
-    routing weights need one, xs where gate_up needs one."""
+    routing weights need one, xs where gate_up needs one. ``release``: free y, h and xs after their last read
+    (``release_saved``)."""
     need_x, need_gate_up, need_down, need_weights, need_gate_up_bias, need_down_bias = needs
     ops, gemm, offsets, n_valid = plan.ops, plan.gemm, routes.offsets, routes.offsets[-1:]
     dx = d_gate_up = d_down = d_gate_up_bias = d_down_bias = None
+    free = release_saved if release else lambda t: None
     with torch.autocast(grad_out.device.type, enabled=False):
         dy, dw = ops["combine_backward"](grad_out.contiguous(), y if need_weights else None, routes.perm, weights,
                                          n_valid, plan.dtype, down_bias, routes.experts)
+        free(y)
         if need_down_bias:
             d_down_bias = ops["expert_sums"](dy, offsets, routes.experts)
         if h is not None:
             dh, a = ops["activation_backward"](h, rows_mm(dy, down, offsets, gemm), n_valid, plan.act, gate_up_bias,
                                                routes.experts)
+            free(h)
             d_down = _wgrad(dy, a, offsets, gemm, transposed[1]) if need_down else None
             del dy, a
             if need_gate_up_bias:
                 d_gate_up_bias = ops["expert_sums"](dh, offsets, routes.experts)
             d_gate_up = _wgrad(dh, xs, offsets, gemm, transposed[0]) if need_gate_up else None
+            free(xs)
             if need_x:
                 dx = ops["combine"](rows_mm(dh, gate_up, offsets, gemm), routes.pos, None, n_valid, hidden_dtype)
     return dx, d_gate_up, d_down, dw, d_gate_up_bias, d_down_bias
+
+
+def graph_kept() -> bool:
+    """Whether the backward running now keeps the graph for another one (``retain_graph`` / ``create_graph``);
+    where torch cannot tell, and while a compiler traces the backward (compiled autograd), kept."""
+    kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)  # what AOTAutograd asks too
+    return kept is None or torch.compiler.is_compiling() or kept()
+
+
+def release_saved(t: torch.Tensor | None) -> None:
+    """Free a saved activation's memory after backward's last read of it. Autograd holds a Function's saved tensors
+    until its backward returns, so the layer's backward would hold h and y (about 1 GB at Mixtral's size and 8192
+    tokens) through its largest GEMMs, where eager autograd frees each at its op's backward. Only for tensors the
+    layer made (no caller sees them) and a graph not kept for another backward; the allocator orders the reuse after
+    the kernels already queued that read them, as for any freed tensor."""
+    if t is not None and t.numel():
+        t.untyped_storage().resize_(0)
 
 
 def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, gemm: str, transposed: bool) -> torch.Tensor:
@@ -148,7 +171,7 @@ class ExpertsFunction(torch.autograd.Function):
         xs, h, y, gate_up, down, weights, gate_up_bias, down_bias, *route_tensors = ctx.saved_tensors
         grads = backward_rows(grad_out, xs, h, y, gate_up, down, weights, gate_up_bias, down_bias,
                               Routes(*route_tensors), ctx.plan, ctx.needs_input_grad[:6], ctx.transposed,
-                              ctx.hidden_dtype)
+                              ctx.hidden_dtype, release=not graph_kept())
         return *_in_dtypes(grads, ctx.param_dtype, gate_up_bias, down_bias), None, None
 
 
