@@ -1,6 +1,6 @@
 """The experts layer's autograd under torch.compile: the custom ops ``flce::experts`` / ``flce::experts_backward``
 traced without a graph break, against float64 for every activation form, torch.library's opcheck, partial
-gradients, no_grad, bad input and a refused double backward."""
+gradients, no_grad, bad input and a refused double backward; eagerly, backward's release of the saved activations."""
 
 import shutil
 
