@@ -9,6 +9,7 @@ in its loop, 37.98 mixed) while the floor's drops (37.81 -> 37.10): the mixed re
 the floor's gain, not flce's loss. The allocator's expandable segments change nothing. GPU only:
 
     PYTHONPATH=src:benchmark python benchmark/probes/neighbour_probe.py [--shape 8192x4096x128256] [--rounds 40]
+        [--peers liger,cce,compile]
 """
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 from common import timed_steps
+from suite_lce import METHODS
 
 import flce
 
 
-def steps(x, w, t):
-    """Per method, a function that makes one step's fresh leaves and returns the call to time."""
+def steps(x, w, t, peers=()):
+    """Per method, a function that makes one step's fresh leaves and returns the call to time; ``peers``: methods of
+    ``suite_lce.METHODS`` to add (their loss functions at their defaults)."""
     logits = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
 
     def fused(**kw):
@@ -45,21 +48,28 @@ def steps(x, w, t):
             torch.mm(logits.t(), x)
         return run
 
+    def peer(loss):
+        def make():
+            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+            return lambda: torch.autograd.grad(loss(xl, wl, t), (xl, wl))
+        return make
+
     return {"flce": fused(), "flce-unchecked": fused(validate_target=False), "flce-low-memory": fused(low_memory=True),
-            "eager": eager, "floor": lambda: floor()}
+            "eager": eager, "floor": lambda: floor(), **{name: peer(METHODS[name]) for name in peers}}
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="8192x4096x128256")
     p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--peers", default="", help="comma-separated methods of suite_lce to add (liger, cce, compile)")
     a = p.parse_args()
     bt, hidden, vocab = map(int, a.shape.split("x"))
     dev = torch.device("cuda")
     x = torch.randn(bt, hidden, device=dev, dtype=torch.bfloat16)
     w = (torch.randn(vocab, hidden, device=dev) * 2 / hidden**0.5).bfloat16()
     t = torch.randint(0, vocab, (bt,), device=dev)
-    makes = steps(x, w, t)
+    makes = steps(x, w, t, [name for name in a.peers.split(",") if name])
     print(torch.cuda.get_device_name(), "torch", torch.__version__, a.shape, flush=True)
     own = {name: statistics.median(timed_steps(make, 3, 10, dev)) for name, make in makes.items()}
     samples = []  # (method, predecessor, start event, end event)
