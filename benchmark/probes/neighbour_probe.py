@@ -31,15 +31,16 @@ def steps(x, w, t, peers=()):
     ``suite_lce.METHODS`` to add (their loss functions at their defaults)."""
     logits = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
 
-    def fused(**kw):
+    def step_of(loss):
         def make():
             xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
-            return lambda: torch.autograd.grad(flce.linear_cross_entropy(xl, wl, t, **kw), (xl, wl))
+            return lambda: torch.autograd.grad(loss(xl, wl, t), (xl, wl))
         return make
 
-    def eager():
-        xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
-        return lambda: torch.autograd.grad(F.cross_entropy(F.linear(xl, wl).float(), t), (xl, wl))
+    def fused(**kw):
+        return step_of(lambda xl, wl, tl: flce.linear_cross_entropy(xl, wl, tl, **kw))
+
+    eager = step_of(lambda xl, wl, tl: F.cross_entropy(F.linear(xl, wl).float(), tl))
 
     def floor():
         def run():
@@ -48,14 +49,8 @@ def steps(x, w, t, peers=()):
             torch.mm(logits.t(), x)
         return run
 
-    def peer(loss):
-        def make():
-            xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
-            return lambda: torch.autograd.grad(loss(xl, wl, t), (xl, wl))
-        return make
-
     return {"flce": fused(), "flce-unchecked": fused(validate_target=False), "flce-low-memory": fused(low_memory=True),
-            "eager": eager, "floor": lambda: floor(), **{name: peer(METHODS[name]) for name in peers}}
+            "eager": eager, "floor": lambda: floor(), **{name: step_of(METHODS[name]) for name in peers}}
 
 
 def main():
