@@ -172,6 +172,22 @@ def test_retained_graph_gives_the_same_gradients_twice():
             assert_close(g, w, TOL[torch.float64], f"grad {name}, retain_graph={retain}")
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_layer_matches_the_reference(reentrant):
+    """Under activation checkpointing (saved-tensor hooks that recompute the layer, or a second forward inside
+    backward) the activations backward frees are the recomputed ones: every gradient as the float64 reference's."""
+    x, ids, weights, gate_up, down = make_case(9, 16, 12, 4, 2, torch.float64, "cpu")
+    ref, ref_leaves = loop_reference(x, ids, weights, gate_up, down)
+    grad = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, ref_leaves, grad)
+    out = torch.utils.checkpoint.checkpoint(
+        lambda x_, w_: flce.experts_forward(x_, ids, w_, gate_up, down, gemm="loop", elementwise="torch"), x, weights,
+        use_reentrant=reentrant)
+    out.backward(grad)
+    for name, leaf, w in zip(("x", "weights", "gate_up", "down"), (x, weights, gate_up, down), want):
+        assert_close(leaf.grad, w, TOL[torch.float64], f"grad {name}")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_backward_peak_leaves_out_the_freed_activations():
     """On the GPU the freed activations come off backward's peak: against a backward that keeps the graph, at least
