@@ -208,6 +208,12 @@ def running_loop_ms(fn: Callable[[], Any], device: torch.device, steps: int = 30
     return (time.perf_counter() - start) / steps * 1e3, statistics.median(inside) * 1e3
 
 
+def unshifted_logits(stored: torch.Tensor, tile_max: torch.Tensor, block_n: int) -> torch.Tensor:
+    """The logits as float32 from what the Hopper logits GEMM stores (each less its tile's max, since 2afee14) and
+    its (n, tiles) tile maxima over ``block_n`` columns: what probes check a GEMM variant against."""
+    return stored.float() + tile_max.repeat_interleave(block_n, dim=1)[:, :stored.shape[1]]
+
+
 def peak_extra_mb(fn: Callable[[], Any], device: torch.device) -> float:
     """Peak memory allocated during ``fn()`` above what was allocated before it, in MiB.
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 import triton
-from common import median_of_rounds
+from common import median_of_rounds, unshifted_logits
 
 from flce.kernels import logits_triton
 from flce.kernels.ce_triton import _sm_count as sm_count
@@ -53,7 +53,7 @@ def call_for(kind, cfg, per_sm, x, w, out, opts):
     def stored():
         """The stored tile as z: since 2afee14 the logits are stored less their tile max, added back here."""
         if kind == "logits":
-            return out.float() + mx.repeat_interleave(cfg.block_n, dim=1)[:, :w.shape[0]]
+            return unshifted_logits(out, mx, cfg.block_n)
         return out.float()
     return call, lse, stored
 
