@@ -39,6 +39,7 @@ def path(monkeypatch, small_products, hopper_gemm):
     """Let the path run on small shapes (and under the interpreter in float16); record the calls that
     take it and those that fall back in backward."""
     monkeypatch.setattr(exp_logits, "MIN_ROWS", 8)
+    monkeypatch.setattr(exp_logits, "CHUNKS_MIN_VOCAB", 64)
     monkeypatch.setattr(exp_logits, "WINDOWS", {**exp_logits.WINDOWS, torch.float16: FP16_WINDOW})
     monkeypatch.setattr(exp_logits, "_cool_down", {})
     seen = SimpleNamespace(taken=[], fell_back=[], pending=[], chunks=[])
@@ -187,7 +188,8 @@ def test_a_tile_far_below_the_rest_falls_back(path):
 
 @pytest.mark.parametrize("opts", [
     {"label_smoothing": 0.1}, {"z_loss": 1e-3}, {"softcap": 5.0}, {"reduction": "none"},
-    {"chunk_size": 16}, {"bias_grad": True}, {"return_stats": True}, {"dtype": torch.float32},
+    {"bias_grad": True}, {"return_stats": True}, {"dtype": torch.float32},
+    {"bias_grad": True, "chunk_size": 16}, {"accum_dtype": DTYPE, "chunk_size": 16},
 ])
 def test_standard_path_where_it_does_not_apply(path, opts):
     opts = dict(opts)
@@ -223,6 +225,71 @@ def test_in_place_change_after_forward_raises(path):
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
     assert path.taken == [1]
+
+
+# ---------------------------------------------------------------- several chunks
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("opts", [
+    {},
+    {"temperature": 1.3, "weight_cls": True},
+    {"ignore": 0.3, "ignore_index": 3, "weight_cls": True},
+])
+def test_several_chunks_match_float64(path, reduction, opts):
+    """Each chunk stores exp(logits) and computes both gradients in forward: grad_input from its float32
+    product, grad_weight summed in float32 from the exponentials less the one-hot rows."""
+    inputs, opts = split_options(opts)
+    run_and_compare(*case(**inputs), reduction=reduction, mode={"chunk_size": 16}, **opts)
+    assert path.chunks == [16, 16, 8] and path.taken == [] and path.fell_back == []
+
+
+def test_several_chunks_and_a_short_last_one(path, monkeypatch):
+    """A last chunk below the path's fewest rows takes the standard path in the same loop: the two paths'
+    sums take the same part of the mean's scale (``function.split_scale``)."""
+    monkeypatch.setattr(exp_logits, "MIN_ROWS", 12)
+    x, w, b, t, cw = case(n=41, weight_cls=True)
+    run_and_compare(x, w, b, t, cw, mode={"chunk_size": 16})
+    assert path.chunks == [16, 16]
+
+
+@pytest.mark.parametrize("frozen", ["input", "weight"])
+def test_several_chunks_one_gradient_wanted(path, frozen):
+    x, w, b, t, cw = case(weight_cls=True)
+    (x if frozen == "input" else w).requires_grad_(False)
+    run_and_compare(x, w, b, t, cw, mode={"chunk_size": 16})
+    assert path.chunks == [16, 16, 8]
+
+
+def test_several_chunks_out_of_the_window_run_again(path):
+    """A row far beyond the window in one chunk: forward's loss stands; backward runs the loop again on the
+    standard path (the device then cools down), so the gradients are that path's."""
+    x, w, b, t, cw = case(scale=0.5)
+    with torch.no_grad():
+        x[21] *= 80.0 if DTYPE == torch.float16 else 800.0
+    loss = flce.linear_cross_entropy(x, w, t, backend="triton", chunk_size=16)
+    ref, _ = reference_loss(x, w, t)
+    assert_close(loss, ref, TOL[x.dtype], "loss")
+    assert path.chunks == [16, 16, 8]
+    loss.backward()
+    assert exp_logits._cool_down[x.device] == exp_logits.COOL_DOWN - 1  # the second loop took one turn
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    flce.linear_cross_entropy(x2, w2, t, backend="triton", chunk_size=16).backward()
+    assert path.chunks == [16, 16, 8]  # cooling down: the standard path from the start
+    assert_close(x.grad, x2.grad.double(), TOL[x.dtype] / 10, "grad_input")
+    assert_close(w.grad, w2.grad.double(), TOL[x.dtype] / 10, "grad_weight")
+
+
+@pytest.mark.parametrize("changed", ["input", "weight"])
+def test_several_chunks_in_place_change_after_forward_raises(path, changed):
+    """The loop may run again in backward, so it keeps its inputs as eager's F.linear does: changing one in
+    place between forward and backward raises."""
+    x, w, b, t, cw = case()
+    loss = flce.linear_cross_entropy(x, w, t, backend="triton", chunk_size=16)
+    with torch.no_grad():
+        (x if changed == "input" else w).mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    assert path.chunks == [16, 16, 8]
 
 
 # ---------------------------------------------------------------- the low-memory mode's forward chunks
@@ -359,10 +426,10 @@ def test_low_memory_unchecked_bad_target_gives_nan(path, low_memory_plan):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(4096, 1024, 32000), (2048, 4096, 128256)])
+@pytest.mark.parametrize("shape", [(4096, 1024, 32000), (2048, 4096, 128256), (8192, 1024, 151936)])
 def test_gpu_default_path_real_shapes(shape):
-    """bf16 at real sizes with flce's own thresholds (no patching): the path runs, and its gradients are
-    as close to float64 as the standard path's."""
+    """bf16 at real sizes with flce's own thresholds (no patching): the path runs (8192 x 1024 x 151936 in
+    three chunks), and its gradients are as close to float64 as the standard path's."""
     if not ON_HOPPER:
         pytest.skip("the path needs Hopper")
     n, hidden, vocab = shape

@@ -126,7 +126,8 @@ def linear_cross_entropy(
         if low_memory:
             return low_memory_plan(rows, x, linear_weight, dtype, chunk_size, reduction)
         return plan_chunks(rows, vocab, dtype, linear_weight.dtype, chunk_size=chunk_size,
-                           accum_dtype=accum_dtype, weight_grad_hidden=weight_grad_hidden(linear_weight))
+                           accum_dtype=accum_dtype, weight_grad_hidden=weight_grad_hidden(linear_weight),
+                           product_hidden=hidden)
 
     plan = None if sync else plan_for(n)  # with the sync, the rows it keeps decide the plan
     class_w = weight.to(acc).contiguous() if weight is not None else None

@@ -21,11 +21,12 @@ check does) and, if any, the gradients are recomputed through the standard path 
 then takes the standard path for its next ``COOL_DOWN`` calls. Options that need every logit (label smoothing, z-loss,
 softcap, accuracy, a bias gradient) and reduction='none' take the standard path.
 
-The low-memory mode's forward chunks, which want grad_input and at most a share of grad_weight (and of
-grad_bias), take the same path chunk by chunk (``grads_chunk``), grad_input from float32 products of the
-columns its plan has memory for (``ChunkPlan.input_product_cols``); their window check is read in that
-mode's backward (``low_memory.py``).
-The standard path's several chunks keep the CE pass: on the path they were no faster (benchmark/NOTES.md).
+Several chunks take the same path chunk by chunk (``grads_chunk``), in forward: grad_input from a float32
+product of the chunk, grad_weight summed in float32 from e^T (a x) less the one-hot rows (no bias gradient,
+as above). So do the low-memory mode's forward chunks, which want grad_input and at most a share of
+grad_weight (and of grad_bias), from float32 products of the columns its plan has memory for
+(``ChunkPlan.input_product_cols``). Their window check is read in backward (``function``, ``low_memory.py``),
+which on a miss runs forward's loop again on the standard path.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ from .options import LossOptions
 
 # Fewest rows: below, the pass saved is short and the path's own launches weigh more (small batches).
 MIN_ROWS = 1024
+# Smallest vocabulary at which several chunks take the path (``planner.plan_chunks``): its per-chunk work
+# (row kernels, a sort, float32 products) grows with rows and H, the CE pass it saves with rows and V. On an
+# H200 the path took 1-5% off at V = 128256 and 151936, none at V = 32000 and H 1024, 5% on at H 2048
+# (benchmark/NOTES.md, The exp-logits path).
+CHUNKS_MIN_VOCAB = 1 << 16
 # lse range per storage dtype in which e = exp(z) holds a row: at lse <= 60 no logit exceeds e^60 (bf16
 # and float32 overflow at e^88.7, and e @ W sums V of them), at lse >= -40 the row's largest terms lie far
 # above bf16's smallest normal (e^-87). Tests add float16 with its narrow range.
@@ -134,19 +140,21 @@ def grads_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, t
                 loss: torch.Tensor, lse: torch.Tensor, class_weight: torch.Tensor | None, scale: torch.Tensor,
                 opts: LossOptions, e: torch.Tensor, misses: torch.Tensor, grad_input: torch.Tensor | None,
                 product_cols: int, weight_sum: torch.Tensor | None = None, accumulate: bool = False,
-                bias_sum: torch.Tensor | None = None) -> None:
+                bias_sum: torch.Tensor | None = None, sums_scale: torch.Tensor | None = None) -> None:
     """A chunk of the low-memory mode's forward: exp(z) stored into ``e`` and the row kernel run
     (``_store_exp_and_rows``; rows outside the window added to ``misses``, (1,) int32), then grad_input
     (m, H), any row stride, times ``scale`` (0-d), from float32 products of ``product_cols`` columns
     (``input_grad``), and the chunk's part of grad_weight's first k rows added to (or, without
     ``accumulate``, written into) ``weight_sum`` (k, H) (``weight_grad``), and of grad_bias's first k added to
-    ``bias_sum`` (k,). x_c (m, H), w (V, H), e (m, V) with unit-stride rows."""
+    ``bias_sum`` (k,), both times ``sums_scale`` (0-d; None: ``scale``). x_c (m, H), w (V, H), e (m, V) with
+    unit-stride rows."""
     keys = torch.empty(x_c.shape[0], dtype=torch.int32, device=e.device)  # grad_weight's sort keys
     coef = _store_exp_and_rows(x_c, w, bias, target, class_weight, opts, e, loss, lse, keys, misses)
     if grad_input is not None:
         input_grad(e, w, coef[0], target, coef[1], scale, grad_input, product_cols)
     if weight_sum is not None:
-        weight_grad(e, x_c, coef[0], keys, coef[1], scale, weight_sum, accumulate, bias_sum)
+        weight_grad(e, x_c, coef[0], keys, coef[1], scale if sums_scale is None else sums_scale, weight_sum,
+                    accumulate, bias_sum)
 
 
 def _store_exp_and_rows(x_c, w, bias, target, class_weight, opts: LossOptions, e, loss, lse, keys, misses,

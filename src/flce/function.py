@@ -16,10 +16,10 @@ loop runs again.
 A single chunk on Hopper in bf16 (1024 rows or more, the common options) goes further: its logits GEMM
 stores exp(logits), a row kernel takes the loss and row coefficients from the GEMM's statistics, and
 backward's GEMMs run on the exponentials with the rows scaled: no CE pass at all (``exp_logits.py``).
-Chunks that compute grad_input alone, or with a share of grad_weight (the low-memory mode's forward),
-take that path chunk by chunk where the plan budgets their float32 product
-(``ChunkPlan.input_product_cols``); their window check goes back with the gradients
-(``ChunkGrads.window``) for that mode's backward to read.
+Several chunks (and the low-memory mode's forward chunks) take that path chunk by chunk where the plan
+budgets their float32 grad_input product (``ChunkPlan.input_product_cols``), their weight gradient summed
+from the exponentials; their window check goes back with the gradients (``ChunkGrads.window``) for
+backward to read, and a miss there runs the loop again on the standard path.
 A loss without gradients on Hopper stores no logits: the GEMM keeps its statistics alone
 (``loss_only.py``).
 
@@ -205,14 +205,17 @@ def chunk_loop(
     buffer = memory.buffer if memory is not None else padded_rows(
         plan.rows, vocab, compute_dtype, dev) if plan.num_chunks > 1 else None
     row_scale = grad and grad_scale.dim() == 1
-    # Chunks that compute grad_input alone (and a share of grad_weight and grad_bias in the caller's memory)
-    # may store exp(logits) where the plan budgets the product.
-    exp_input = plan.input_product_cols > 0 and (need_x or need_w) and (
-        memory is not None or not (need_w or need_b)) and _hopper_gemms(backend, dev)
+    # Chunks may store exp(logits) where the plan budgets their grad_input product: several chunks without a
+    # bias gradient (as a single chunk), or the low-memory mode's forward (its share of grad_weight and
+    # grad_bias in the caller's memory).
+    exp_input = plan.input_product_cols > 0 and (need_x or need_w) and (memory is not None or not need_b) and (
+        _hopper_gemms(backend, dev))
     ce_scale, pending_scale, row_residual = grad_scale, grad_scale, None
     if defer and counts is None:  # unscaled dlogits: backward applies the scale with grad_output
         ce_scale, pending_scale = unit_dlogits(grad_scale, opts.temperature)
-    elif grads is not None and not row_scale and not exp_input and _splits_scale(compute_dtype, grads):
+    elif (grads is not None and not row_scale and not (exp_input and memory is not None)
+          and _splits_scale(compute_dtype, grads)):
+        # exp-logits chunks too: their sums take the same power of two, so that any chunk may take either path
         ce_scale, grads.scale = split_scale(grad_scale, opts.temperature)
     elif grads is not None and row_scale and grads.bias is None and compute_dtype.itemsize == 2:
         # reduction="none": a per-row grad_output (a masked mean's 1 / count on every row) splits per row
@@ -236,7 +239,7 @@ def chunk_loop(
                 exp_logits.grads_chunk(x_c, w, bias, _take(target, rows), _take(parts.loss, rows),
                                        _take(parts.lse, rows), class_weight, grad_scale, opts, e, misses,
                                        _take(grads.input, rows), plan.input_product_cols, grads.weight, i > 0,
-                                       grads.bias)
+                                       grads.bias, sums_scale=ce_scale)
                 continue
         logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend)
         parts.exact_lse &= tile_stats is not None
@@ -444,6 +447,9 @@ def finish_forward(ctx, parts: LossParts, grads, grad_scale: torch.Tensor | None
         if isinstance(grads, (PendingGrads, PendingExp)):
             ctx.save_for_backward(grads.x, grads.w)
             grads.x = grads.w = None  # backward reads them from saved_tensors only
+        elif grads.window is not None:  # exp-logits chunks: what the loop needs again if the window check misses
+            ctx.save_for_backward(*saved)
+            ctx.redo_scale = grad_scale
         else:
             ctx.save_for_backward(weight_as_used)
         ctx.grads = grads
@@ -587,4 +593,11 @@ def _input_grads(ctx, loop, spec: LoopSpec, needs, dtypes, g: torch.Tensor) -> l
     elif grads is None:  # reduction="none": run the loop again with the per-row grad_output
         _, grads = loop(*saved, g.contiguous(), needs, spec)
         g = None
+    elif grads.window is not None:  # exp-logits chunks: the check waits with backward's kernels queued
+        window, out = grads.window, scale_grads(grads, g, dtypes, spec.backend)
+        del grads  # the accumulator goes before a second loop allocates its own
+        if not window.missed():
+            return out
+        out = None
+        _, grads = loop(*saved, ctx.redo_scale, needs, spec)  # the device now cools down: the standard path
     return scale_grads(grads, g, dtypes, spec.backend)

@@ -10,6 +10,7 @@ from typing import Iterator
 
 import torch
 
+from . import exp_logits
 from .gemm import padded_width
 
 # Bytes of one chunk's logits buffer. 512 MiB holds 2048 rows of a 128256-entry bf16 vocabulary.
@@ -34,9 +35,10 @@ MIN_PRODUCT_ELEMENTS = 2**22
 @dataclass(frozen=True)
 class ChunkPlan:
     """rows: rows per chunk (the last one may be shorter); accum_dtype: grad_weight accumulator dtype;
-    input_product_cols: grad_input columns per float32 product GEMM when a chunk computes grad_input alone
-    from stored exponentials (``exp_logits.grads_chunk``; the low-memory plan budgets it), 0 where the
-    plan budgets no such product (those chunks take the standard path)."""
+    input_product_cols: grad_input columns per float32 product GEMM when a chunk computes its gradients
+    from stored exponentials (``exp_logits.grads_chunk``: several chunks of ``plan_chunks``, or the
+    low-memory plan's forward chunks), 0 where the plan budgets no such product (those chunks take the
+    standard path)."""
 
     n_rows: int
     rows: int
@@ -63,6 +65,7 @@ def plan_chunks(
     accum_dtype: torch.dtype | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     weight_grad_hidden: int = 0,
+    product_hidden: int = 0,
 ) -> ChunkPlan:
     """Choose chunk rows and the grad_weight accumulator dtype.
 
@@ -72,6 +75,7 @@ def plan_chunks(
         chunk_size: rows per chunk chosen by the user (None: from ``memory_budget``).
         accum_dtype: accumulator chosen by the user (None: precise by default, see below).
         weight_grad_hidden: H when the weight gradient is wanted (0 otherwise).
+        product_hidden: H when chunks may store exp(logits) (``exp_logits.grads_chunk``; 0 otherwise).
 
     With the weight gradient wanted and the default accumulator, memory is spent where chunking would
     spend it anyway. Several chunks hold, in forward, the float32 (V, H) accumulator and a chunk buffer of
@@ -87,6 +91,12 @@ def plan_chunks(
     Default accumulator: with one chunk the weight gradient is a single GEMM, so it is written straight
     in ``grad_dtype``; with several chunks partial sums are kept in float32 (or wider, if the gradient
     dtype is wider) so that the result is rounded once, not once per chunk.
+
+    Several chunks of ``exp_logits.MIN_ROWS`` rows or more and ``exp_logits.CHUNKS_MIN_VOCAB`` columns or
+    more, summed in float32 (or with no weight gradient), get ``input_product_cols`` = H from
+    ``product_hidden``: on Hopper each then stores exp(logits) and runs no CE pass, its grad_input from one
+    float32 product of the chunk, the bytes the standard path's scaled product takes anyway
+    (benchmark/NOTES.md, The exp-logits path).
     """
     if chunk_size is None:
         row_bytes = max(padded_width(vocab, compute_dtype.itemsize) * compute_dtype.itemsize, 1)  # padded rows
@@ -103,7 +113,10 @@ def plan_chunks(
     if accum_dtype is None:
         single = n_rows <= rows
         accum_dtype = grad_dtype if single or grad_dtype.itemsize >= 4 else torch.float32
-    return ChunkPlan(n_rows=n_rows, rows=rows, accum_dtype=accum_dtype)
+    summed = not weight_grad_hidden or accum_dtype.itemsize >= 4
+    wide = vocab >= exp_logits.CHUNKS_MIN_VOCAB
+    cols = product_hidden if exp_logits.MIN_ROWS <= rows < n_rows and summed and wide else 0
+    return ChunkPlan(n_rows=n_rows, rows=rows, accum_dtype=accum_dtype, input_product_cols=cols)
 
 
 def product_cols(budget: int, rows: int, hidden: int) -> int:
