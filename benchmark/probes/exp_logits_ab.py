@@ -8,7 +8,9 @@ against 1.024 (H200) and 1.015 against 1.029 (H100), 8192 x 2048 x 32000 1.059 /
 `results/2026-11-25-h200-a8b06f6/exp_logits_min_rows_ab.txt`). ``--low-memory`` (the mode's forward chunks,
 4bf56f1): 8192 rows 1.364 / 1.402 (H200,
 `results/2026-11-24-h200-827518b/exp_logits_ab_low_memory.txt`) and 1.349 / 1.379 (H100,
-`exp_logits_ab_low_memory_4bf56f1.txt`). ``--frozen-weight`` measured the reverted chunk path (457c722). ``--low-memory --borrow`` compares the
+`exp_logits_ab_low_memory_4bf56f1.txt`). ``--frozen-weight`` measured the reverted chunk path (457c722). Since 4de36ee the default mode also turns the
+several-chunk path on and off (H100, `results/2026-11-27-h100-4de36ee/exp_chunks_ab.txt`: 32768 x 4096 x 128256
+1.043 against 1.062, 8192 x 1024 x 151936 1.248 against 1.298). ``--low-memory --borrow`` compares the
 mode's backward blocks that borrow grad_weight's storage (``LowMemoryPlan.blocks``) with buffer-only blocks
 instead of the exp-logits path; ``--low-memory --share`` the mode with and without forward's share of grad_weight
 (``LowMemoryPlan.forward_cols``); ``--autocast`` runs flce on float32 leaves under bf16 autocast; ``--bias`` gives

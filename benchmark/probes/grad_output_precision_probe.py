@@ -25,9 +25,11 @@ CASES = [
     ("1000 rows (one chunk)", 1000, {}, True),
     ("8192 rows (one chunk, exp-logits)", 8192, {}, True),
     ("8192 rows (one chunk, standard path)", 8192, {}, False),
-    ("8192 rows (4 chunks)", 8192, {"chunk_size": 2048}, True),
+    ("8192 rows (4 chunks, exp-logits)", 8192, {"chunk_size": 2048}, True),
+    ("8192 rows (4 chunks, standard path)", 8192, {"chunk_size": 2048}, False),
     ("1000 rows (one chunk), num_items_in_batch", 1000, {"num_items": True}, True),
-    ("8192 rows (4 chunks), num_items_in_batch", 8192, {"chunk_size": 2048, "num_items": True}, True),
+    ("8192 rows (4 chunks, exp-logits), num_items_in_batch", 8192, {"chunk_size": 2048, "num_items": True}, True),
+    ("8192 rows (4 chunks, standard path), num_items_in_batch", 8192, {"chunk_size": 2048, "num_items": True}, False),
     ("8192 rows, low_memory=True", 8192, {"low_memory": True}, True),
     ("8192 rows, low_memory=True, num_items_in_batch", 8192, {"low_memory": True, "num_items": True}, True),
 ]

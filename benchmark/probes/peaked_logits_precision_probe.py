@@ -27,7 +27,8 @@ CASES = [
     ("8192 rows (one chunk, exp-logits)", 8192, {}, True),
     ("8192 rows (one chunk, standard path)", 8192, {}, False),
     ("8192 rows, label_smoothing 0.1 (one chunk)", 8192, {"label_smoothing": 0.1}, True),
-    ("32768 rows (6 chunks)", 32768, {}, True),
+    ("32768 rows (6 chunks, exp-logits)", 32768, {}, True),
+    ("32768 rows (6 chunks, standard path)", 32768, {}, False),
     ("8192 rows, softcap 30 (one chunk)", 8192, {"softcap": 30.0}, True),
     ("32768 rows, softcap 30 (6 chunks)", 32768, {"softcap": 30.0}, True),
 ]
