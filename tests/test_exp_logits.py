@@ -252,6 +252,15 @@ def test_several_chunks_and_a_short_last_one(path, monkeypatch):
     assert path.chunks == [16, 16]
 
 
+def test_several_chunks_odd_vocabulary(path, monkeypatch):
+    """V not a multiple of 8: each chunk's exponentials sit in the buffer's padded rows."""
+    from flce import gemm
+
+    monkeypatch.setattr(gemm, "SPLIT_ON_CPU", True)
+    run_and_compare(*case(vocab=117, weight_cls=True), mode={"chunk_size": 16})
+    assert path.chunks == [16, 16, 8] and path.fell_back == []
+
+
 @pytest.mark.parametrize("frozen", ["input", "weight"])
 def test_several_chunks_one_gradient_wanted(path, frozen):
     x, w, b, t, cw = case(weight_cls=True)
