@@ -43,8 +43,8 @@ from .options import LossOptions
 MIN_ROWS = 1024
 # Smallest vocabulary at which several chunks take the path (``planner.plan_chunks``): its per-chunk work
 # (row kernels, a sort, float32 products) grows with rows and H, the CE pass it saves with rows and V. On an
-# H200 the path took 1-5% off at V = 128256 and 151936, none at V = 32000 and H 1024, 5% on at H 2048
-# (benchmark/NOTES.md, The exp-logits path).
+# H200 the path took 1-5% off at V = 128256 and 151936; at V = 32000 it gained nothing at 32768 x 1024 and
+# cost 5-14% at H 2048 or 16384 rows (benchmark/NOTES.md, The exp-logits path).
 CHUNKS_MIN_VOCAB = 1 << 16
 # lse range per storage dtype in which e = exp(z) holds a row: at lse <= 60 no logit exceeds e^60 (bf16
 # and float32 overflow at e^88.7, and e @ W sums V of them), at lse >= -40 the row's largest terms lie far
@@ -141,8 +141,9 @@ def grads_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, t
                 opts: LossOptions, e: torch.Tensor, misses: torch.Tensor, grad_input: torch.Tensor | None,
                 product_cols: int, weight_sum: torch.Tensor | None = None, accumulate: bool = False,
                 bias_sum: torch.Tensor | None = None, sums_scale: torch.Tensor | None = None) -> None:
-    """A chunk of the low-memory mode's forward: exp(z) stored into ``e`` and the row kernel run
-    (``_store_exp_and_rows``; rows outside the window added to ``misses``, (1,) int32), then grad_input
+    """A chunk whose gradients forward computes (one of several, or of the low-memory mode's forward): exp(z)
+    stored into ``e`` and the row kernel run (``_store_exp_and_rows``; rows outside the window added to
+    ``misses``, (1,) int32), then grad_input
     (m, H), any row stride, times ``scale`` (0-d), from float32 products of ``product_cols`` columns
     (``input_grad``), and the chunk's part of grad_weight's first k rows added to (or, without
     ``accumulate``, written into) ``weight_sum`` (k, H) (``weight_grad``), and of grad_bias's first k added to
