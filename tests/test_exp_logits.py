@@ -217,14 +217,18 @@ def test_unchecked_bad_target_gives_nan_not_a_number(path):
     assert path.taken == [1] and torch.isnan(loss) and torch.isnan(x.grad[4]).all()
 
 
-def test_in_place_change_after_forward_raises(path):
+@pytest.mark.parametrize("chunk_size", [None, 16])
+@pytest.mark.parametrize("changed", ["input", "weight"])
+def test_in_place_change_after_forward_raises(path, chunk_size, changed):
+    """Backward reads the GEMM operands (one chunk), or may run the loop again (several): they are kept as eager's
+    F.linear keeps them, so changing one in place between forward and backward raises."""
     x, w, b, t, cw = case()
-    loss = flce.linear_cross_entropy(x, w, t, backend="triton")
+    loss = flce.linear_cross_entropy(x, w, t, backend="triton", chunk_size=chunk_size)
     with torch.no_grad():
-        w.mul_(2.0)
+        (x if changed == "input" else w).mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
-    assert path.taken == [1]
+    assert (path.taken, path.chunks) == (([1], []) if chunk_size is None else ([], [16, 16, 8]))
 
 
 # ---------------------------------------------------------------- several chunks
@@ -266,38 +270,6 @@ def test_several_chunks_one_gradient_wanted(path, frozen):
     x, w, b, t, cw = case(weight_cls=True)
     (x if frozen == "input" else w).requires_grad_(False)
     run_and_compare(x, w, b, t, cw, mode={"chunk_size": 16})
-    assert path.chunks == [16, 16, 8]
-
-
-def test_several_chunks_out_of_the_window_run_again(path):
-    """A row far beyond the window in one chunk: forward's loss stands; backward runs the loop again on the
-    standard path (the device then cools down), so the gradients are that path's."""
-    x, w, b, t, cw = case(scale=0.5)
-    with torch.no_grad():
-        x[21] *= 80.0 if DTYPE == torch.float16 else 800.0
-    loss = flce.linear_cross_entropy(x, w, t, backend="triton", chunk_size=16)
-    ref, _ = reference_loss(x, w, t)
-    assert_close(loss, ref, TOL[x.dtype], "loss")
-    assert path.chunks == [16, 16, 8]
-    loss.backward()
-    assert exp_logits._cool_down[x.device] == exp_logits.COOL_DOWN - 1  # the second loop took one turn
-    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    flce.linear_cross_entropy(x2, w2, t, backend="triton", chunk_size=16).backward()
-    assert path.chunks == [16, 16, 8]  # cooling down: the standard path from the start
-    assert_close(x.grad, x2.grad.double(), TOL[x.dtype] / 10, "grad_input")
-    assert_close(w.grad, w2.grad.double(), TOL[x.dtype] / 10, "grad_weight")
-
-
-@pytest.mark.parametrize("changed", ["input", "weight"])
-def test_several_chunks_in_place_change_after_forward_raises(path, changed):
-    """The loop may run again in backward, so it keeps its inputs as eager's F.linear does: changing one in
-    place between forward and backward raises."""
-    x, w, b, t, cw = case()
-    loss = flce.linear_cross_entropy(x, w, t, backend="triton", chunk_size=16)
-    with torch.no_grad():
-        (x if changed == "input" else w).mul_(2.0)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward()
     assert path.chunks == [16, 16, 8]
 
 
@@ -387,15 +359,16 @@ def test_low_memory_frozen_weight_and_one_chunk(path, low_memory_plan):
     assert path.chunks == [x.shape[0]]
 
 
-def test_low_memory_rows_out_of_the_window_fall_back(path, low_memory_plan):
-    """A row far beyond the window in one chunk: forward's loss stands; backward runs forward's loop again
-    with the path off (the device then cools down), and its blocks with that loop's lse: the gradients are the
-    standard path's."""
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_chunks_rows_out_of_the_window_fall_back(path, low_memory_plan, low_memory):
+    """A row far beyond the window in one of several chunks: forward's loss stands; backward runs forward's loop
+    again with the path off (the device then cools down), and in the low-memory mode its blocks with that loop's
+    lse: the gradients are the standard path's."""
     low_memory_plan(1 << 20)
     x, w, b, t, cw = case(scale=0.5)
     with torch.no_grad():
         x[21] *= 80.0 if DTYPE == torch.float16 else 800.0
-    mode = {"low_memory": True, "chunk_size": 16}
+    mode = {"low_memory": low_memory, "chunk_size": 16}
     loss = flce.linear_cross_entropy(x, w, t, backend="triton", **mode)
     ref, (x64, w64, _) = reference_loss(x, w, t)
     assert_close(loss, ref, TOL[x.dtype], "loss")
