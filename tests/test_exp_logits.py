@@ -360,14 +360,16 @@ def test_low_memory_frozen_weight_and_one_chunk(path, low_memory_plan):
 
 
 @pytest.mark.parametrize("low_memory", [False, True])
-def test_chunks_rows_out_of_the_window_fall_back(path, low_memory_plan, low_memory):
+@pytest.mark.parametrize("row", [3, 21, 37])  # in the first, a middle and the last of the chunks
+def test_chunks_rows_out_of_the_window_fall_back(path, low_memory_plan, low_memory, row):
     """A row far beyond the window in one of several chunks: forward's loss stands; backward runs forward's loop
     again with the path off (the device then cools down), and in the low-memory mode its blocks with that loop's
-    lse: the gradients are the standard path's."""
+    lse: the gradients are the standard path's. The last chunk's miss counts although its count is copied out
+    before that chunk's GEMMs."""
     low_memory_plan(1 << 20)
     x, w, b, t, cw = case(scale=0.5)
     with torch.no_grad():
-        x[21] *= 80.0 if DTYPE == torch.float16 else 800.0
+        x[row] *= 80.0 if DTYPE == torch.float16 else 800.0
     mode = {"low_memory": low_memory, "chunk_size": 16}
     loss = flce.linear_cross_entropy(x, w, t, backend="triton", **mode)
     ref, (x64, w64, _) = reference_loss(x, w, t)
@@ -382,6 +384,19 @@ def test_chunks_rows_out_of_the_window_fall_back(path, low_memory_plan, low_memo
     # as the standard path computes them (at such logits the rounding of 16-bit logits dominates)
     assert_close(x.grad, x2.grad.double(), TOL[x.dtype] / 10, "grad_input")
     assert_close(w.grad, w2.grad.double(), TOL[x.dtype] / 10, "grad_weight")
+
+
+@pytest.mark.parametrize("min_rows", [8, 12])  # the last chunk (8 rows) on the path, or on the standard one
+def test_chunks_copy_the_window_count_before_the_last_gemms(path, monkeypatch, min_rows):
+    """The count leaves the device once, after the last chunk of the path's row kernel and before its GEMMs, so
+    that backward's wait for it does not wait for them."""
+    monkeypatch.setattr(exp_logits, "MIN_ROWS", min_rows)
+    events, check, input_grad = [], exp_logits.WindowCheck, exp_logits.input_grad
+    monkeypatch.setattr(exp_logits, "WindowCheck", lambda m: events.append("check") or check(m))
+    monkeypatch.setattr(exp_logits, "input_grad", lambda *a, **k: events.append("gemms") or input_grad(*a, **k))
+    x, w, b, t, cw = case()
+    run_and_compare(x, w, b, t, cw, mode={"chunk_size": 16})
+    assert events == ["gemms"] * (len(path.chunks) - 1) + ["check", "gemms"]
 
 
 def test_low_memory_cool_down_counts_calls_that_could_take_the_path(path, low_memory_plan):

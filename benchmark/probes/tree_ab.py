@@ -8,7 +8,7 @@ timed in the same processes, and the peak memory above the inputs. Results:
 against its parent and the HEAD of then). GPU only:
 
     PYTHONPATH=benchmark python benchmark/probes/tree_ab.py --revs HEAD~1,HEAD [--shapes 32768x4096x128256,...]
-        [--rounds 3] [--blocks 3] [--steps 5]
+        [--rounds 3] [--blocks 3] [--steps 5] [--set exp_logits.CHUNKS_MIN_VOCAB=0]
 """
 from __future__ import annotations
 
@@ -30,14 +30,19 @@ def unpack(rev: str, name: str, into: Path) -> None:
     (into / "src" / "flce").rename(into / name)
 
 
-def worker(package: str, shapes: str, blocks: int, steps: int) -> None:
-    """One process: ``package``'s blocks and the floor's, per shape, as one JSON line each."""
+def worker(package: str, shapes: str, blocks: int, steps: int, settings: list[str]) -> None:
+    """One process: ``package``'s blocks and the floor's, per shape, as one JSON line each; ``settings``:
+    ``module.attr=expr`` of the package (``exp_logits.CHUNKS_MIN_VOCAB=0``), set after import."""
     import importlib
     import time
 
     import torch
 
     flce = importlib.import_module(package)
+    for setting in settings:
+        target, expr = setting.split("=", 1)
+        module, attr = target.rsplit(".", 1)
+        setattr(importlib.import_module(f"{package}.{module}"), attr, eval(expr))  # noqa: S307 - the developer's line
     for shape in shapes.split(","):
         n, hidden, vocab = map(int, shape.split("x"))
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -81,10 +86,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--blocks", type=int, default=3, help="blocks per shape in each process")
     p.add_argument("--steps", type=int, default=5, help="steps per block")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=EXPR",
+                   help="a setting of every tree's package, e.g. exp_logits.CHUNKS_MIN_VOCAB=0 (repeatable)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        return worker(a.worker, a.shapes, a.blocks, a.steps)
+        return worker(a.worker, a.shapes, a.blocks, a.steps, a.set)
     revs = a.revs.split(",")
     times, peaks = defaultdict(lambda: defaultdict(list)), {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,7 +100,8 @@ def main() -> None:
         for _ in range(a.rounds):
             for i, rev in enumerate(revs):
                 out = subprocess.run([sys.executable, __file__, "--worker", f"flce_tree{i}", "--shapes", a.shapes,
-                                      "--blocks", str(a.blocks), "--steps", str(a.steps)], check=True,
+                                      "--blocks", str(a.blocks), "--steps", str(a.steps),
+                                      *(f"--set={x}" for x in a.set)], check=True,
                                      capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tmp}).stdout
                 for line in out.splitlines():
                     if line.startswith("JSON "):

@@ -140,7 +140,8 @@ def grads_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, t
                 loss: torch.Tensor, lse: torch.Tensor, class_weight: torch.Tensor | None, scale: torch.Tensor,
                 opts: LossOptions, e: torch.Tensor, misses: torch.Tensor, grad_input: torch.Tensor | None,
                 product_cols: int, weight_sum: torch.Tensor | None = None, accumulate: bool = False,
-                bias_sum: torch.Tensor | None = None, sums_scale: torch.Tensor | None = None) -> None:
+                bias_sum: torch.Tensor | None = None, sums_scale: torch.Tensor | None = None,
+                check: bool = False) -> WindowCheck | None:
     """A chunk whose gradients forward computes (one of several, or of the low-memory mode's forward): exp(z)
     stored into ``e`` and the row kernel run (``_store_exp_and_rows``; rows outside the window added to
     ``misses``, (1,) int32), then grad_input
@@ -148,14 +149,17 @@ def grads_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, t
     (``input_grad``), and the chunk's part of grad_weight's first k rows added to (or, without
     ``accumulate``, written into) ``weight_sum`` (k, H) (``weight_grad``), and of grad_bias's first k added to
     ``bias_sum`` (k,), both times ``sums_scale`` (0-d; None: ``scale``). x_c (m, H), w (V, H), e (m, V) with
-    unit-stride rows."""
+    unit-stride rows. ``check``: returns the ``WindowCheck`` of ``misses`` as it stands after this chunk's row
+    kernel, copied out before the chunk's GEMMs (the last chunk of the path: the count is then final)."""
     keys = torch.empty(x_c.shape[0], dtype=torch.int32, device=e.device)  # grad_weight's sort keys
     coef = _store_exp_and_rows(x_c, w, bias, target, class_weight, opts, e, loss, lse, keys, misses)
+    window = WindowCheck(misses) if check else None
     if grad_input is not None:
         input_grad(e, w, coef[0], target, coef[1], scale, grad_input, product_cols)
     if weight_sum is not None:
         weight_grad(e, x_c, coef[0], keys, coef[1], scale if sums_scale is None else sums_scale, weight_sum,
                     accumulate, bias_sum)
+    return window
 
 
 def _store_exp_and_rows(x_c, w, bias, target, class_weight, opts: LossOptions, e, loss, lse, keys, misses,

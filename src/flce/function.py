@@ -220,9 +220,10 @@ def chunk_loop(
     elif grads is not None and row_scale and grads.bias is None and compute_dtype.itemsize == 2:
         # reduction="none": a per-row grad_output (a masked mean's 1 / count on every row) splits per row
         ce_scale, row_residual = split_scale(grad_scale, opts.temperature)
-    misses = None
+    misses = window = None
     parts.exact_lse = True
-    for i, (start, end) in enumerate(plan.bounds()):
+    bounds = list(plan.bounds())
+    for i, (start, end) in enumerate(bounds):
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
         rows = slice(start, end) if end - start < n else slice(None)
         x_c = _as_dtype(_take(x, rows), compute_dtype)
@@ -236,10 +237,13 @@ def chunk_loop(
             else:
                 misses = torch.zeros(1, dtype=torch.int32, device=dev) if misses is None else misses
                 e = padded_rows(end - start, vocab, compute_dtype, dev) if out is None else out
-                exp_logits.grads_chunk(x_c, w, bias, _take(target, rows), _take(parts.loss, rows),
-                                       _take(parts.lse, rows), class_weight, grad_scale, opts, e, misses,
-                                       _take(grads.input, rows), plan.input_product_cols, grads.weight, i > 0,
-                                       grads.bias, sums_scale=ce_scale)
+                # The last such chunk copies the count out before its GEMMs: backward's wait then leaves them
+                # and its own kernels queued (a copy after the loop would drain the device between steps).
+                last = all(b - a < exp_logits.MIN_ROWS for a, b in bounds[i + 1:])
+                window = exp_logits.grads_chunk(x_c, w, bias, _take(target, rows), _take(parts.loss, rows),
+                                                _take(parts.lse, rows), class_weight, grad_scale, opts, e, misses,
+                                                _take(grads.input, rows), plan.input_product_cols, grads.weight,
+                                                i > 0, grads.bias, sums_scale=ce_scale, check=last)
                 continue
         logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend)
         parts.exact_lse &= tile_stats is not None
@@ -250,8 +254,8 @@ def chunk_loop(
             return parts, PendingGrads(dlogits=logits, x=x_c, w=w, scale=pending_scale)
         gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0, backend=backend,
                        row_scale=_take(row_residual, rows), single=plan.num_chunks == 1)
-    if misses is not None:
-        grads.window = exp_logits.WindowCheck(misses)
+    if misses is not None:  # a count copied before a later chunk of the path added to it would be stale
+        grads.window = window or exp_logits.WindowCheck(misses)
     return parts, grads
 
 
