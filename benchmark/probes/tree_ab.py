@@ -9,12 +9,16 @@ against its parent and the HEAD of then). GPU only:
 
     PYTHONPATH=benchmark python benchmark/probes/tree_ab.py --revs HEAD~1,HEAD [--shapes 32768x4096x128256,...]
         [--rounds 3] [--blocks 3] [--steps 5] [--set exp_logits.CHUNKS_MIN_VOCAB=0]
+
+Where git is not at hand, unpack each revision first and pass the folders:
+``git archive REV src/flce | tar -x -C DIR && mv DIR/src/flce DIR/REV``, then ``--revs DIR/REV1,DIR/REV2``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,7 +28,11 @@ from pathlib import Path
 
 
 def unpack(rev: str, name: str, into: Path) -> None:
-    """``rev``'s src/flce as the package ``name`` under ``into`` (its imports are relative)."""
+    """``rev``'s src/flce as the package ``name`` under ``into`` (its imports are relative). A ``rev`` that is a
+    folder is taken as such a package already unpacked (a machine without the repository's history)."""
+    if Path(rev).is_dir():
+        shutil.copytree(rev, into / name)
+        return
     archive = subprocess.run(["git", "archive", rev, "src/flce"], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     (into / "src" / "flce").rename(into / name)
