@@ -39,7 +39,6 @@ def path(monkeypatch, small_products, hopper_gemm):
     """Let the path run on small shapes (and under the interpreter in float16); record the calls that
     take it and those that fall back in backward."""
     monkeypatch.setattr(exp_logits, "MIN_ROWS", 8)
-    monkeypatch.setattr(exp_logits, "CHUNKS_MIN_VOCAB", 64)
     monkeypatch.setattr(exp_logits, "WINDOWS", {**exp_logits.WINDOWS, torch.float16: FP16_WINDOW})
     monkeypatch.setattr(exp_logits, "_cool_down", {})
     seen = SimpleNamespace(taken=[], fell_back=[], pending=[], chunks=[])

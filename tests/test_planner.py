@@ -155,10 +155,9 @@ def test_weight_grad_hidden_follows_requires_grad_and_grad_mode():
         assert weight_grad_hidden(w) == 0
 
 
-def test_exp_logits_product_where_several_wide_chunks_sum_in_float32():
-    """Several chunks of a large vocabulary get a whole chunk's grad_input product (the exp-logits path,
-    ``exp_logits.CHUNKS_MIN_VOCAB``); one chunk, a small vocabulary, short chunks, a 16-bit accumulator or no
-    product asked for get none."""
+def test_exp_logits_product_where_several_chunks_sum_in_float32():
+    """Several chunks get a whole chunk's grad_input product (the exp-logits path), at any vocabulary; one
+    chunk, short chunks, a 16-bit accumulator or no product asked for get none."""
     llama3 = dict(vocab=128256, compute_dtype=torch.bfloat16, grad_dtype=torch.bfloat16, product_hidden=4096)
     assert plan_chunks(32768, weight_grad_hidden=4096, **llama3).input_product_cols == 4096
     assert plan_chunks(32768, weight_grad_hidden=0, **llama3).input_product_cols == 4096  # frozen weight
@@ -169,4 +168,4 @@ def test_exp_logits_product_where_several_wide_chunks_sum_in_float32():
     assert plan_chunks(32768, weight_grad_hidden=4096, **{**llama3, "product_hidden": 0}).input_product_cols == 0
     small = dict(llama3, vocab=32000, product_hidden=1024)
     assert plan_chunks(65536, weight_grad_hidden=1024, **small).num_chunks > 1
-    assert plan_chunks(65536, weight_grad_hidden=1024, **small).input_product_cols == 0
+    assert plan_chunks(65536, weight_grad_hidden=1024, **small).input_product_cols == 1024

@@ -8,7 +8,7 @@ timed in the same processes, and the peak memory above the inputs. Results:
 against its parent and the HEAD of then). GPU only:
 
     PYTHONPATH=benchmark python benchmark/probes/tree_ab.py --revs HEAD~1,HEAD [--shapes 32768x4096x128256,...]
-        [--rounds 3] [--blocks 3] [--steps 5] [--set exp_logits.CHUNKS_MIN_VOCAB=0]
+        [--rounds 3] [--blocks 3] [--steps 5] [--set exp_logits.MIN_ROWS=256]
 
 Where git is not at hand, unpack each revision first and pass the folders:
 ``git archive REV src/flce | tar -x -C DIR && mv DIR/src/flce DIR/REV``, then ``--revs DIR/REV1,DIR/REV2``.
@@ -40,7 +40,7 @@ def unpack(rev: str, name: str, into: Path) -> None:
 
 def worker(package: str, shapes: str, blocks: int, steps: int, settings: list[str]) -> None:
     """One process: ``package``'s blocks and the floor's, per shape, as one JSON line each; ``settings``:
-    ``module.attr=expr`` of the package (``exp_logits.CHUNKS_MIN_VOCAB=0``), set after import."""
+    ``module.attr=expr`` of the package (``exp_logits.MIN_ROWS=256``), set after import."""
     import importlib
     import time
 
@@ -95,7 +95,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=3, help="blocks per shape in each process")
     p.add_argument("--steps", type=int, default=5, help="steps per block")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=EXPR",
-                   help="a setting of every tree's package, e.g. exp_logits.CHUNKS_MIN_VOCAB=0 (repeatable)")
+                   help="a setting of every tree's package, e.g. exp_logits.MIN_ROWS=256 (repeatable)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:

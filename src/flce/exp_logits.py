@@ -41,11 +41,6 @@ from .options import LossOptions
 
 # Fewest rows: below, the pass saved is short and the path's own launches weigh more (small batches).
 MIN_ROWS = 1024
-# Smallest vocabulary at which several chunks take the path (``planner.plan_chunks``): its per-chunk work
-# (row kernels, a sort, float32 products) grows with rows and H, the CE pass it saves with rows and V. On an
-# H200 the path took 1-5% off at V = 128256 and 151936; at V = 32000 it gained nothing at 32768 x 1024 and
-# cost 5-14% at H 2048 or 16384 rows (benchmark/NOTES.md, The exp-logits path).
-CHUNKS_MIN_VOCAB = 1 << 16
 # lse range per storage dtype in which e = exp(z) holds a row: at lse <= 60 no logit exceeds e^60 (bf16
 # and float32 overflow at e^88.7, and e @ W sums V of them), at lse >= -40 the row's largest terms lie far
 # above bf16's smallest normal (e^-87). Tests add float16 with its narrow range.

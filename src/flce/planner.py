@@ -92,8 +92,8 @@ def plan_chunks(
     in ``grad_dtype``; with several chunks partial sums are kept in float32 (or wider, if the gradient
     dtype is wider) so that the result is rounded once, not once per chunk.
 
-    Several chunks of ``exp_logits.MIN_ROWS`` rows or more and ``exp_logits.CHUNKS_MIN_VOCAB`` columns or
-    more, summed in float32 (or with no weight gradient), get ``input_product_cols`` = H from
+    Several chunks of ``exp_logits.MIN_ROWS`` rows or more, summed in float32 (or with no weight gradient),
+    get ``input_product_cols`` = H from
     ``product_hidden``: on Hopper each then stores exp(logits) and runs no CE pass, its grad_input from one
     float32 product of the chunk, the bytes the standard path's scaled product takes anyway
     (benchmark/NOTES.md, The exp-logits path).
@@ -114,8 +114,7 @@ def plan_chunks(
         single = n_rows <= rows
         accum_dtype = grad_dtype if single or grad_dtype.itemsize >= 4 else torch.float32
     summed = not weight_grad_hidden or accum_dtype.itemsize >= 4
-    wide = vocab >= exp_logits.CHUNKS_MIN_VOCAB
-    cols = product_hidden if exp_logits.MIN_ROWS <= rows < n_rows and summed and wide else 0
+    cols = product_hidden if exp_logits.MIN_ROWS <= rows < n_rows and summed else 0
     return ChunkPlan(n_rows=n_rows, rows=rows, accum_dtype=accum_dtype, input_product_cols=cols)
 
 
