@@ -25,8 +25,9 @@ Several chunks take the same path chunk by chunk (``grads_chunk``), in forward: 
 product of the chunk, grad_weight summed in float32 from e^T (a x) less the one-hot rows (no bias gradient,
 as above). So do the low-memory mode's forward chunks, which want grad_input and at most a share of
 grad_weight (and of grad_bias), from float32 products of the columns its plan has memory for
-(``ChunkPlan.input_product_cols``). Their window check is read in backward (``function``, ``low_memory.py``),
-which on a miss runs forward's loop again on the standard path.
+(``ChunkPlan.input_product_cols``). Their window count is copied out after the last such chunk's row kernel
+(before its GEMMs, so that backward's wait leaves work queued) and read in backward (``function``,
+``low_memory.py``), which on a miss runs forward's loop again on the standard path.
 """
 
 from __future__ import annotations
