@@ -222,8 +222,11 @@ def chunk_loop(
         ce_scale, row_residual = split_scale(grad_scale, opts.temperature)
     misses = window = None
     parts.exact_lse = True
-    bounds = list(plan.bounds())
-    for i, (start, end) in enumerate(bounds):
+    # The last chunk that the exp-logits path can take copies its window count out before its GEMMs: backward's
+    # wait then leaves them and its own kernels queued (a copy after the loop would drain the device between steps).
+    last_exp = max((i for i, (a, b) in enumerate(plan.bounds()) if b - a >= exp_logits.MIN_ROWS),
+                   default=-1) if exp_input else -1
+    for i, (start, end) in enumerate(plan.bounds()):
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
         rows = slice(start, end) if end - start < n else slice(None)
         x_c = _as_dtype(_take(x, rows), compute_dtype)
@@ -237,13 +240,10 @@ def chunk_loop(
             else:
                 misses = torch.zeros(1, dtype=torch.int32, device=dev) if misses is None else misses
                 e = padded_rows(end - start, vocab, compute_dtype, dev) if out is None else out
-                # The last such chunk copies the count out before its GEMMs: backward's wait then leaves them
-                # and its own kernels queued (a copy after the loop would drain the device between steps).
-                last = all(b - a < exp_logits.MIN_ROWS for a, b in bounds[i + 1:])
                 window = exp_logits.grads_chunk(x_c, w, bias, _take(target, rows), _take(parts.loss, rows),
                                                 _take(parts.lse, rows), class_weight, grad_scale, opts, e, misses,
                                                 _take(grads.input, rows), plan.input_product_cols, grads.weight,
-                                                i > 0, grads.bias, sums_scale=ce_scale, check=last)
+                                                i > 0, grads.bias, sums_scale=ce_scale, check=i == last_exp)
                 continue
         logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend)
         parts.exact_lse &= tile_stats is not None
