@@ -93,10 +93,9 @@ def plan_chunks(
     dtype is wider) so that the result is rounded once, not once per chunk.
 
     Several chunks of ``exp_logits.MIN_ROWS`` rows or more, summed in float32 (or with no weight gradient),
-    get ``input_product_cols`` = H from
-    ``product_hidden``: on Hopper each then stores exp(logits) and runs no CE pass, its grad_input from one
-    float32 product of the chunk, the bytes the standard path's scaled product takes anyway
-    (benchmark/NOTES.md, The exp-logits path).
+    get ``input_product_cols`` = H from ``product_hidden``, at any vocabulary: on Hopper each then stores
+    exp(logits) and runs no CE pass, its grad_input from one float32 product of the chunk, the bytes the
+    standard path's scaled product takes anyway (benchmark/NOTES.md, The exp-logits path).
     """
     if chunk_size is None:
         row_bytes = max(padded_width(vocab, compute_dtype.itemsize) * compute_dtype.itemsize, 1)  # padded rows
