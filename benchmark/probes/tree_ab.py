@@ -45,12 +45,11 @@ def worker(package: str, shapes: str, blocks: int, steps: int, settings: list[st
     import time
 
     import torch
+    from with_setting import apply_setting
 
     flce = importlib.import_module(package)
     for setting in settings:
-        target, expr = setting.split("=", 1)
-        module, attr = target.rsplit(".", 1)
-        setattr(importlib.import_module(f"{package}.{module}"), attr, eval(expr))  # noqa: S307 - the developer's line
+        apply_setting(setting, prefix=f"{package}.")
     for shape in shapes.split(","):
         n, hidden, vocab = map(int, shape.split("x"))
         g = torch.Generator(device="cuda").manual_seed(0)

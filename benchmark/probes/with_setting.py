@@ -15,12 +15,17 @@ import sys
 from pathlib import Path
 
 
+def apply_setting(setting: str, prefix: str = "") -> None:
+    """``module.attr=expr``: sets ``attr`` of the imported module ``prefix + module`` to ``eval(expr)``."""
+    target, expr = setting.split("=", 1)
+    module, attr = target.rsplit(".", 1)
+    setattr(importlib.import_module(prefix + module), attr, eval(expr))  # noqa: S307 - a developer's own command line
+
+
 def main() -> None:
     split = sys.argv.index("--")
     for setting in sys.argv[1:split]:
-        target, expr = setting.split("=", 1)
-        module, attr = target.rsplit(".", 1)
-        setattr(importlib.import_module(module), attr, eval(expr))  # noqa: S307 - a developer's own command line
+        apply_setting(setting)
     sys.argv = sys.argv[split + 1:]
     sys.path.insert(0, str(Path(sys.argv[0]).resolve().parent))
     runpy.run_path(sys.argv[0], run_name="__main__")
