@@ -38,39 +38,19 @@ def test_bad_targets_raise_for_small_and_large_batches(n):
     assert x.grad is None and w.grad is None
 
 
-# Counted by the CE kernel that finishes the mean, and by a launch of the check's own (EARLY_CHECK_ROWS)
-@pytest.mark.parametrize("n", [6, flce.api.EARLY_CHECK_ROWS])
-def test_small_batch_check_still_running_raises_in_backward(monkeypatch, n):
+def test_small_batch_check_still_running_raises_in_backward(monkeypatch):
     """On the GPU the small-batch check may still be in flight when forward returns: then the loss is
     NaN (never a plausible number) and backward raises before any gradient reaches .grad."""
     monkeypatch.setattr(flce.api._TargetCheck, "done", lambda self: False)
-    x = torch.randn(n, 8, requires_grad=True)
+    x = torch.randn(6, 8, requires_grad=True)
     w = torch.randn(20, 8, requires_grad=True)
-    t = torch.randint(0, 20, (n,))
-    t[n // 2] = -7
+    t = torch.randint(0, 20, (6,))
+    t[3] = -7
     loss = flce.linear_cross_entropy(x, w, t)
     assert loss.isnan()
     with pytest.raises(ValueError, match=r"outside \[0, 20\).*first: -7"):
         loss.backward()
     assert x.grad is None and w.grad is None
-
-
-@pytest.mark.parametrize("n", [8, flce.api.EARLY_CHECK_ROWS - 1, flce.api.EARLY_CHECK_ROWS, 700])
-def test_small_batch_check_copied_before_the_gemms_from_early_check_rows(monkeypatch, n):
-    """A single chunk's mean: below EARLY_CHECK_ROWS the CE kernel counts the targets and the check's copy follows
-    forward; from there on the count is copied before forward's GEMMs, so backward's wait leaves them queued."""
-    order = []
-    copy, loop = flce.api.HostCopy, flce.api.chunk_loop
-    monkeypatch.setattr(flce.api, "HostCopy", lambda t: order.append("copy") or copy(t))
-    monkeypatch.setattr(flce.api, "chunk_loop", lambda *a, **k: order.append("loop") or loop(*a, **k))
-    x = torch.randn(n, 8, requires_grad=True)
-    w = torch.randn(20, 8, requires_grad=True)
-    t = torch.randint(0, 20, (n,))
-    loss = flce.linear_cross_entropy(x, w, t)
-    loss.backward()
-    assert order == (["copy", "loop"] if n >= flce.api.EARLY_CHECK_ROWS else ["loop", "copy"])
-    ref = torch.nn.functional.cross_entropy(x.detach().double() @ w.detach().double().t(), t)
-    assert torch.allclose(loss.double(), ref, rtol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's numpy NaN arithmetic

@@ -136,8 +136,6 @@ def linear_cross_entropy(
     if not low_memory and _kernel_finishes_mean(plan, grad, opts, class_w, num_items, acc):
         kernel_counts = counts = torch.zeros(3, dtype=torch.int64, device=t.device)
         scale = torch.empty((), dtype=torch.float32, device=t.device)  # written by the CE kernel
-        if validate_target and n >= EARLY_CHECK_ROWS:
-            counts, _ = count_targets(t, opts.ignore_index, vocab, backend)  # the check's own, before the GEMMs
     else:
         # Everything that does not depend on dropping ignored rows is queued before the check's host
         # sync, so that less host work separates the sync from the first GEMM.
@@ -153,7 +151,7 @@ def linear_cross_entropy(
         plan = plan_for(x.shape[0])
     elif validate_target and n:
         pending = _TargetCheck(t, counts, vocab, opts.ignore_index, target)
-        if counts is not kernel_counts:
+        if kernel_counts is None:
             pending.start()
     spec = LoopSpec(opts, plan, dtype, backend, return_stats, kernel_counts)
     if grad:
@@ -161,7 +159,7 @@ def linear_cross_entropy(
         loss, lse, correct = function.apply(
             chunk_loop, spec, x, linear_weight, linear_bias, t, class_w, weight_sum, scale, pending)[:3]
         if pending is not None:
-            if counts is kernel_counts:
+            if kernel_counts is not None:
                 pending.start()  # the forward's CE kernel has queued the counts
             if not pending.done():
                 pending = None  # backward raises; meanwhile a bad row's loss is NaN (see _TargetCheck)
@@ -243,13 +241,6 @@ def _kernel_finishes_mean(plan: ChunkPlan | None, grad: bool, opts: LossOptions,
             and class_w is None and num_items is None and acc == torch.float32 and opts.temperature == 1.0)
 
 
-# From this many rows a single chunk's step is GPU-bound (its GEMMs outlast the host's work), and the target check
-# counts in a launch of its own before the GEMMs rather than in the CE kernel that finishes the mean. Backward waits
-# for that count: counted by the CE kernel, after forward's logits GEMM, the wait leaves the GPU only backward's GEMMs
-# to run while the host queues the next step, and the GPU idled whenever the host took longer (H200, 256 x 4096 x
-# 128256: 1.60 ms per step in a loop against 1.33 unchecked, benchmark/NOTES.md, Small batches). Below, a step is
-# host-bound and the launch saved pays.
-EARLY_CHECK_ROWS = 256
 # Below this many tokens the GEMMs are passes over the weight whatever the row count, so dropping
 # ignored rows saves nothing; the target check then runs asynchronously instead of as an early sync.
 COMPACT_MIN_ROWS = 1024
