@@ -1,8 +1,8 @@
-"""Kernel-by-kernel GPU time of the floor's three GEMMs and of flce steps, in one process.
+"""Kernel-by-kernel GPU time of the floor's three GEMMs, of flce steps and of peers' steps, in one process.
 
 GPU only. Usage: PYTHONPATH=src python benchmark/profile_kernels.py [--shape 8192x4096x128256]
 [--chunk-sizes default,8192] [--accum-dtype bfloat16] [--low-memory] [--exp-logits-off]
-[--row-align-bytes 16,128]. Prints, per
+[--row-align-bytes 16,128] [--peers quack,compile]. Prints, per
 variant, the summed CUDA time of each kernel name over ``--steps`` steps and the wall time per step, so the
 gap between a step and its kernels is visible.
 """
@@ -53,6 +53,8 @@ def main():
     p.add_argument("--row-align-bytes", default=None,
                    help="also profile the default step with these row strides of the logits buffers "
                         "(gemm.ROW_ALIGN_BYTES; they differ only where V is no multiple of 8)")
+    p.add_argument("--peers", default="",
+                   help="also profile these methods of suite_lce (quack, compile, liger, ...), where they can run")
     args = p.parse_args()
     bt, hidden, vocab = map(int, args.shape.split("x"))
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -110,8 +112,27 @@ def main():
         _run("flce low_memory=True, cuBLAS + block kernel", low_memory_step, args.steps)
         block_gemm_triton.supported = fused
         torch.cuda.empty_cache()
+    for name in filter(None, args.peers.split(",")):
+        _run_peer(name, x, w, t, args.steps)
     big = torch.empty(bt, vocab, device=dev, dtype=dt)
     _run("floor again", floor, args.steps)
+
+
+def _run_peer(name: str, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, steps: int) -> None:
+    """A peer's step as the bench calls it (``suite_lce.METHODS``), or why it cannot run here."""
+    from suite_lce import METHODS, UNAVAILABLE
+
+    why = UNAVAILABLE.get(name, lambda device: None)(x.device)
+    if why or METHODS.get(name) is None:
+        print(f"{name}: skipped ({why or 'not a peer of suite_lce'})", flush=True)
+        return
+
+    def step():
+        x.grad = w.grad = None
+        METHODS[name](x, w, t).backward()
+
+    _run(name, step, steps)
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
