@@ -3,28 +3,21 @@ transposed, (H, V) += x_c^T dl (layout B, whose bf16 gradient would then need a 
 the accumulation, on cuBLAS and cuBLASLt (``torch.backends.cuda.preferred_blas_library``), at chunk heights K, beside
 the bf16 GEMM; then the plain and the transposing fp32 -> bf16 cast. Asked because quack's CUTLASS GEMM ran this
 update faster inside its step than cuBLAS in flce's (``profile_kernels.py --peers quack``). Result (H200,
-`results/2026-11-27-h200-d4c8fc3/wgrad_layouts.txt`): layout A on cuBLAS is the fastest or level at every K. GPU only:
+`results/2026-11-27-h200-8f4601b/wgrad_layouts.txt`, each case then the mean of 10 back-to-back calls): layout A
+on cuBLAS is the fastest or level at every K. GPU only:
 
-    PYTHONPATH=src python benchmark/probes/wgrad_layout_probe.py
+    PYTHONPATH=src:benchmark python benchmark/probes/wgrad_layout_probe.py
 """
 from __future__ import annotations
 
 import torch
+from common import median_ms
 
 V, H = 128256, 4096
 
 
-def ms(fn, reps: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+def ms(fn) -> float:
+    return median_ms(fn, warmup=3, reps=10, device=torch.device("cuda"))
 
 
 def main() -> None:
