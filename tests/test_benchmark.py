@@ -191,6 +191,18 @@ def test_with_setting_sets_attributes_before_the_script_runs(tmp_path):
     assert proc.stdout.split() == ["16", "()", "['--flag']"]
 
 
+def test_profile_kernels_skips_peers_that_cannot_run(capsys):
+    """profile_kernels.py --peers: a peer that is missing or needs CUDA, or a name suite_lce lacks, is named with why."""
+    import profile_kernels
+
+    x, w, t = torch.randn(4, 8), torch.randn(16, 8), torch.randint(0, 16, (4,))
+    for name in ("cce", "nosuch"):
+        profile_kernels._run_peer(name, x, w, t, steps=1)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("cce: skipped (") and ("not installed" in out[0] or "needs CUDA" in out[0])
+    assert out[1] == "nosuch: skipped (not a peer of suite_lce)"
+
+
 def test_bad_sweep_and_method_names_raise():
     args = types.SimpleNamespace(device=torch.device("cpu"), quick=False, sweep="nosuch", shapes=None,
                                  dtype=None, modes=None, methods="flce")
