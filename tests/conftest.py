@@ -1,6 +1,7 @@
 """Shared fixtures. Without CUDA the Triton kernels run under the interpreter (set before any import)."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -109,3 +110,41 @@ def capture_graph(step, before_capture=None):
     with torch.cuda.graph(graph):
         captured = step()
     return graph, captured
+
+
+@pytest.fixture
+def small_products(monkeypatch):
+    """Float32 product pieces of any width on these small shapes (``planner.product_cols``)."""
+    from flce import planner
+
+    monkeypatch.setattr(planner, "MIN_PRODUCT_ELEMENTS", 0)
+    monkeypatch.setattr(planner, "PRODUCT_ALIGN", 8)
+
+
+# The exp-logits path's window in float16 under the interpreter: exp(8) * V stays far below float16's 65504,
+# exp(-lse) / rows above its normals.
+FP16_WINDOW = (-4.0, 8.0)
+
+
+@pytest.fixture
+def path(monkeypatch, small_products, hopper_gemm):
+    """Let the path run on small shapes (and under the interpreter in float16); record the calls that
+    take it and those that fall back in backward."""
+    import flce.function
+    from flce import exp_logits
+
+    monkeypatch.setattr(exp_logits, "MIN_ROWS", 8)
+    monkeypatch.setattr(exp_logits, "WINDOWS", {**exp_logits.WINDOWS, torch.float16: FP16_WINDOW})
+    monkeypatch.setattr(exp_logits, "_cool_down", {})
+    seen = SimpleNamespace(taken=[], fell_back=[], pending=[], chunks=[])
+    forward, standard, chunk = exp_logits.forward_chunk, flce.function.redo_standard, exp_logits.grads_chunk
+
+    def counted_forward(*a, **k):
+        seen.taken.append(1)
+        seen.pending.append(forward(*a, **k))
+        return seen.pending[-1]
+    monkeypatch.setattr(exp_logits, "forward_chunk", counted_forward)
+    monkeypatch.setattr(flce.function, "redo_standard",
+                        lambda *a, **k: seen.fell_back.append(1) or standard(*a, **k))
+    monkeypatch.setattr(exp_logits, "grads_chunk", lambda *a, **k: seen.chunks.append(a[0].shape[0]) or chunk(*a, **k))
+    return seen

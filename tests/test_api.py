@@ -161,12 +161,12 @@ def test_scaled_products_in_pieces(backend, device, monkeypatch, reduction, chun
 def test_who_counts_the_targets(backend, device, monkeypatch, calls):
     """A single-chunk mean in training leaves the target count to the CE kernel (three launches fewer
     at small batches); every other call counts first. Both give the reference's loss and gradients."""
-    import flce.api
+    import flce.reduction
 
     opts, want = calls
     counted = []
-    count = flce.api.count_targets
-    monkeypatch.setattr(flce.api, "count_targets", lambda *a: counted.append(1) or count(*a))
+    count = flce.reduction.count_targets
+    monkeypatch.setattr(flce.reduction, "count_targets", lambda *a: counted.append(1) or count(*a))
     check(backend, torch.float32, device, **opts)
     assert len(counted) == want
 

@@ -6,7 +6,6 @@ On the CPU it runs under TRITON_INTERPRET=1 with small tiles and in float16 (the
 through tensor descriptors wrongly), with a window that float16's narrow range allows and logits that fit
 it. On a Hopper GPU it runs in bf16, as users get it."""
 
-from types import SimpleNamespace
 from unittest.mock import patch
 
 import pytest
@@ -22,37 +21,6 @@ pytestmark = pytest.mark.skipif(not triton_available(DEVICE), reason="triton can
 
 lt = pytest.importorskip("flce.kernels.logits_triton")
 DTYPE = HOPPER_DTYPE
-FP16_WINDOW = (-4.0, 8.0)  # exp(8) * V stays far below float16's 65504; exp(-lse) / rows above its normals
-
-
-@pytest.fixture
-def small_products(monkeypatch):
-    """Float32 product pieces of any width on these small shapes (``planner.product_cols``)."""
-    from flce import planner
-
-    monkeypatch.setattr(planner, "MIN_PRODUCT_ELEMENTS", 0)
-    monkeypatch.setattr(planner, "PRODUCT_ALIGN", 8)
-
-
-@pytest.fixture
-def path(monkeypatch, small_products, hopper_gemm):
-    """Let the path run on small shapes (and under the interpreter in float16); record the calls that
-    take it and those that fall back in backward."""
-    monkeypatch.setattr(exp_logits, "MIN_ROWS", 8)
-    monkeypatch.setattr(exp_logits, "WINDOWS", {**exp_logits.WINDOWS, torch.float16: FP16_WINDOW})
-    monkeypatch.setattr(exp_logits, "_cool_down", {})
-    seen = SimpleNamespace(taken=[], fell_back=[], pending=[], chunks=[])
-    forward, standard, chunk = exp_logits.forward_chunk, flce.function._redo_standard, exp_logits.grads_chunk
-
-    def counted_forward(*a, **k):
-        seen.taken.append(1)
-        seen.pending.append(forward(*a, **k))
-        return seen.pending[-1]
-    monkeypatch.setattr(exp_logits, "forward_chunk", counted_forward)
-    monkeypatch.setattr(flce.function, "_redo_standard",
-                        lambda *a, **k: seen.fell_back.append(1) or standard(*a, **k))
-    monkeypatch.setattr(exp_logits, "grads_chunk", lambda *a, **k: seen.chunks.append(a[0].shape[0]) or chunk(*a, **k))
-    return seen
 
 
 def case(*args, dtype=DTYPE, **kwargs):

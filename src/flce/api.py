@@ -7,17 +7,17 @@ import functools
 import torch
 from torch import nn
 
+from . import loss_op
 from .checks import (HostCopy, check_and_compact, check_class_weight, check_tensors, compute_dtype, flat_targets,
                      raise_bad_targets)
 from .distributed import dtensor_locals, is_dtensor, vocab_parallel_linear_cross_entropy
 from .function import LinearCrossEntropyFunction, LoopSpec, chunk_loop
 from .import_hooks import compile_disabled
 from .kernels import math_dtype, resolve_backend
-from .kernels.targets import count_targets
 from .low_memory import LowMemoryFunction, check_low_memory, low_memory_plan
 from .options import LossOptions, check_run_options
 from .planner import ChunkPlan, plan_chunks, weight_grad_hidden
-from .reduction import LossStats, loss_stats, reduction_scale, scatter_rows
+from .reduction import LossStats, loss_scale, loss_stats, scatter_rows
 
 __all__ = ["LinearCrossEntropyLoss", "LossStats", "linear_cross_entropy"]
 
@@ -40,7 +40,29 @@ def _loss_options(*args) -> LossOptions:
         return LossOptions(*args)  # raises the clear error for a value of the wrong type
 
 
-@compile_disabled  # data-dependent control flow and Triton launches: one graph break, exact result
+def _traced(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean", ignore_index=-100,
+            label_smoothing=0.0, z_loss=0.0, softcap=None, temperature=1.0, num_items_in_batch=None,
+            accum_dtype=None, chunk_size=None, backend="auto", return_stats=False, validate_target=True,
+            low_memory=False):
+    """``linear_cross_entropy`` as torch.compile traces it: the same checks, then the custom ops of ``loss_op``;
+    NotImplemented (one graph break, the eager call) for what they do not serve."""
+    if not loss_op.TRACED or return_stats or low_memory or type(linear_weight) not in _PLAIN_TENSORS:
+        return NotImplemented
+    opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction)
+    check_tensors(input, linear_weight, target, linear_bias, weight)
+    num_items = check_run_options(reduction, num_items_in_batch, chunk_size, accum_dtype, backend, return_stats,
+                                  validate_target, read_cpu=False)
+    dtype = compute_dtype(input, linear_weight, linear_bias)
+    x = input.reshape(-1, input.shape[-1])
+    t = flat_targets(target, opts.ignore_index)
+    loss = loss_op.traced_loss(x, linear_weight, linear_bias, t, weight, num_items, opts, chunk_size, accum_dtype,
+                               dtype, backend, validate_target)
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+# Eagerly: data-dependent control flow and Triton launches. Under torch.compile: custom ops (no graph break)
+# where ``_traced`` serves the call, else one graph break and the eager call.
+@compile_disabled(traced=_traced)
 def linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -130,18 +152,10 @@ def linear_cross_entropy(
                            product_hidden=hidden)
 
     plan = None if sync else plan_for(n)  # with the sync, the rows it keeps decide the plan
-    class_w = weight.to(acc).contiguous() if weight is not None else None
-    weight_sum = class_w.sum() if class_w is not None else None
-    kernel_counts = None
-    if not low_memory and _kernel_finishes_mean(plan, grad, opts, class_w, num_items, acc):
-        kernel_counts = counts = torch.zeros(3, dtype=torch.int64, device=t.device)
-        scale = torch.empty((), dtype=torch.float32, device=t.device)  # written by the CE kernel
-    else:
-        # Everything that does not depend on dropping ignored rows is queued before the check's host
-        # sync, so that less host work separates the sync from the first GEMM.
-        counts, count_scale = count_targets(t, opts.ignore_index, vocab, backend)
-        scale = None if reduction == "none" else reduction_scale(t, class_w, opts, num_items, counts, count_scale,
-                                                                 acc)
+    # Everything that does not depend on dropping ignored rows is queued before the check's host sync, so
+    # that less host work separates the sync from the first GEMM.
+    class_w, weight_sum, counts, scale, kernel_counts = loss_scale(t, weight, opts, num_items, vocab, acc, backend,
+                                                                   None if low_memory else plan, grad)
     rows = None  # indices of the valid rows, when ignored rows are dropped
     pending = None
     if sync:
@@ -231,14 +245,6 @@ class LinearCrossEntropyLoss(nn.Module):
         if self.weight is not None:
             shown.insert(0, f"weight=<class weights {tuple(self.weight.shape)}>")
         return ", ".join(shown)
-
-
-def _kernel_finishes_mean(plan: ChunkPlan | None, grad: bool, opts: LossOptions, class_w, num_items, acc) -> bool:
-    """Whether the CE kernel counts the targets and finishes the mean itself (``LoopSpec.counts``): for a
-    plain float32 mean over one chunk in training, which spares a small, launch-bound batch three launches.
-    (Its dlogits carry 1 / temperature: other temperatures count first, so that backward applies it.)"""
-    return (grad and plan is not None and plan.n_rows > 0 and plan.num_chunks == 1 and opts.reduction == "mean"
-            and class_w is None and num_items is None and acc == torch.float32 and opts.temperature == 1.0)
 
 
 # Below this many tokens the GEMMs are passes over the weight whatever the row count, so dropping

@@ -54,13 +54,19 @@ class WindowCheck:
     """The count of rows outside the window, read in backward (``checks.HostCopy``)."""
 
     def __init__(self, misses: torch.Tensor) -> None:
-        self.device, self.copy = misses.device, HostCopy(misses)
+        self.misses, self.copy = misses, HostCopy(misses)
 
     def missed(self) -> bool:
-        if int(self.copy.wait()[0]) == 0:
-            return False
-        _cool_down[self.device] = COOL_DOWN
-        return True
+        return note_misses(self.misses.device, int(self.copy.wait()[0]))
+
+
+def note_misses(device: torch.device, count: int) -> bool:
+    """Whether rows left the window (a count read on the host); after a miss the device takes the standard path
+    for its next ``COOL_DOWN`` calls."""
+    if count == 0:
+        return False
+    _cool_down[device] = COOL_DOWN
+    return True
 
 
 @dataclass
@@ -69,15 +75,28 @@ class PendingExp:
     travel through ``save_for_backward``, as for ``function.PendingGrads``)."""
 
     e: torch.Tensor  # (n, V): exp(z), the one-hot term at confident targets
-    coef: torch.Tensor  # (n,) float32: a_r, 0 on ignored rows
-    target_coef: torch.Tensor  # (n,) float32: the one-hot term's coefficient where not folded into e, else 0
-    keys: torch.Tensor  # (n,) int32: the target where target_coef is not 0, else V
+    coefs: torch.Tensor  # (2, n) float32: a_r (0 on ignored rows), then the one-hot term's coefficient where
+    #                      not folded into e, else 0
+    ints: torch.Tensor  # (n + 1,) int32: the keys (the target where the one-hot coefficient is not 0, else V),
+    #                     then the count of rows outside the window
     target: torch.Tensor  # (n,) int64
     x: torch.Tensor | None  # (n, H) in the compute dtype
     w: torch.Tensor | None  # (V, H) in the compute dtype
     scale: torch.Tensor  # 0-d: the reduction's scale
-    check: WindowCheck
+    check: WindowCheck | None  # None where the caller reads the count itself (``loss_op``)
     redo: tuple  # (bias, class_weight, weight_sum): what the standard path needs besides x, w, target, options
+
+    @property
+    def coef(self) -> torch.Tensor:
+        return self.coefs[0]
+
+    @property
+    def target_coef(self) -> torch.Tensor:
+        return self.coefs[1]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.ints[:-1]
 
 
 def applies(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, needs: tuple[bool, bool, bool],
@@ -93,17 +112,28 @@ def eligible(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, grad
              opts: LossOptions, want_correct: bool, backend: str, out: torch.Tensor | None = None) -> bool:
     """Whether a chunk's shapes, dtypes and options suit the path (no bias gradient asked of it), storing e
     into ``out`` if given (``logits_triton.supported``)."""
-    if backend != "triton" or x_c.shape[0] < MIN_ROWS or x_c.dtype not in WINDOWS or want_correct:
-        return False
-    if opts.label_smoothing > 0.0 or opts.z_loss > 0.0 or opts.softcap is not None:
-        return False
-    if grad_scale is None or grad_scale.dim() != 0:
+    if not suited(x_c, w, bias, grad_scale is not None and grad_scale.dim() == 0, opts, want_correct, backend):
         return False
     from .kernels import logits_triton
 
     if not logits_triton.supported(x_c, w, bias, out):
         return False
     return not (x_c.is_cuda and torch.cuda.is_current_stream_capturing())  # backward's wait cannot be captured
+
+
+def suited(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scalar_scale: bool, opts: LossOptions,
+           want_correct: bool, backend: str, device: torch.device | None = None) -> bool:
+    """``eligible``'s conditions on shapes, strides, dtypes and options alone (fake and meta tensors answer them
+    too; ``device``: the operands', where they are meta tensors): what a custom op's outputs can be laid out by;
+    the operands' addresses and CUDA-graph capture decide the rest when it runs. scalar_scale: the reduction's
+    scale is 0-d (not reduction="none")."""
+    if backend != "triton" or x_c.shape[0] < MIN_ROWS or x_c.dtype not in WINDOWS or want_correct:
+        return False
+    if opts.label_smoothing > 0.0 or opts.z_loss > 0.0 or opts.softcap is not None or not scalar_scale:
+        return False
+    from .kernels import logits_triton
+
+    return logits_triton.supported(x_c, w, bias, check_address=False, device=device)
 
 
 def take_turn(device: torch.device) -> bool:
@@ -128,8 +158,7 @@ def forward_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     keys, misses = ints[:n], ints[n:]
     coef = _store_exp_and_rows(x_c, w, bias, target, class_weight, opts, e, loss, lse, keys, misses, counts, total,
                                grad_scale if counts is not None else None)
-    return PendingExp(e, coef[0], coef[1], keys, target, x_c, w, grad_scale, WindowCheck(misses),
-                      (bias, class_weight, weight_sum))
+    return PendingExp(e, coef, ints, target, x_c, w, grad_scale, WindowCheck(misses), (bias, class_weight, weight_sum))
 
 
 def grads_chunk(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
@@ -224,6 +253,6 @@ def finish(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, g: torch.Tensor, n
     if needs[1]:
         grad_w = weight_grad(p.e, x_c, p.coef, p.keys, p.target_coef, g_total,
                              torch.empty(w.shape, dtype=dtypes[1], device=w.device))
-    if p.check.missed():
+    if p.check is not None and p.check.missed():  # None: the caller has read the count already
         return None  # rows left the window: the caller recomputes through the standard path
     return grad_x, grad_w

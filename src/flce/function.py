@@ -97,7 +97,8 @@ class LoopSpec(NamedTuple):
     compute per-row accuracy (``correct``), and ``counts``: None, or (3,) int64 zeros for a mean over a
     single deferred chunk, which the CE kernel then finishes itself (``kernels.ce_chunk``): it counts
     the targets into them and writes grad_scale (an output then) and the mean. ``entry``: the public
-    function, named in errors."""
+    function, named in errors. ``exp_path``: False keeps every chunk on the standard path (the exp-logits
+    path's form depends on a device count, which a custom op's fixed outputs cannot follow)."""
 
     opts: LossOptions
     plan: ChunkPlan
@@ -106,6 +107,7 @@ class LoopSpec(NamedTuple):
     want_correct: bool = False
     counts: torch.Tensor | None = None
     entry: str = "flce.linear_cross_entropy"
+    exp_path: bool = True
 
 
 class LoopMemory(NamedTuple):
@@ -160,7 +162,7 @@ def chunk_loop(
     returns the chunk's dlogits instead of running the gradient GEMMs. ``memory``: the logits buffer, and
     the sum that the weight gradient's first rows go in (then only those rows are computed).
     """
-    opts, plan, compute_dtype, backend, want_correct, counts, _ = spec
+    opts, plan, compute_dtype, backend, want_correct, counts = spec[:6]
     n, hidden = x.shape
     vocab = weight.shape[0]
     dev = x.device
@@ -208,8 +210,8 @@ def chunk_loop(
     # Chunks may store exp(logits) where the plan budgets their grad_input product: several chunks without a
     # bias gradient (as a single chunk), or the low-memory mode's forward (its share of grad_weight and
     # grad_bias in the caller's memory).
-    exp_input = plan.input_product_cols > 0 and (need_x or need_w) and (memory is not None or not need_b) and (
-        _hopper_gemms(backend, dev))
+    exp_input = (spec.exp_path and plan.input_product_cols > 0 and (need_x or need_w)
+                 and (memory is not None or not need_b) and hopper_gemms(backend, dev))
     ce_scale, pending_scale, row_residual = grad_scale, grad_scale, None
     if defer and counts is None:  # unscaled dlogits: backward applies the scale with grad_output
         ce_scale, pending_scale = unit_dlogits(grad_scale, opts.temperature)
@@ -230,7 +232,7 @@ def chunk_loop(
         # A chunk of all rows takes the tensors themselves: each slice is a dispatcher call.
         rows = slice(start, end) if end - start < n else slice(None)
         x_c = _as_dtype(_take(x, rows), compute_dtype)
-        if defer and exp_logits.applies(x_c, w, bias, needs, grad_scale, opts, want_correct, backend):
+        if defer and spec.exp_path and exp_logits.applies(x_c, w, bias, needs, grad_scale, opts, want_correct, backend):
             return parts, exp_logits.forward_chunk(x_c, w, bias, target, parts.loss, parts.lse, parts.total,
                                                    class_weight, weight_sum, grad_scale, opts, counts)
         out = _take(buffer, slice(None, end - start))
@@ -259,7 +261,7 @@ def chunk_loop(
     return parts, grads
 
 
-def _hopper_gemms(backend: str, device: torch.device) -> bool:
+def hopper_gemms(backend: str, device: torch.device) -> bool:
     """Whether flce's Hopper GEMMs (and so the exp-logits path) can run on this device at all."""
     if backend != "triton":
         return False
@@ -522,13 +524,16 @@ class _FirstOrderOnly(torch.autograd.Function):
             "...). Compute that loss with torch ops (F.linear and F.cross_entropy) instead.")
 
 
-def scale_grads(grads: ChunkGrads, g: torch.Tensor | None, dtypes, backend: str = "torch") -> list:
+def scale_grads(grads: ChunkGrads, g: torch.Tensor | None, dtypes, backend: str = "torch",
+                fresh: bool = False) -> list:
     """(input, weight, bias) gradients times grad_output ``g`` (None: already scaled), in ``dtypes``; weight
-    and bias also times ``grads.scale`` (already in grad_input)."""
+    and bias also times ``grads.scale`` (already in grad_input). A gradient already in its dtype is scaled in
+    place unless ``fresh`` (a custom op's outputs must not alias its inputs)."""
     assert g is not None or grads.scale is None, "the residual scale comes with grad_output"
     g_sums = g if g is None or grads.scale is None else g * grads.scale
-    return [None if t is None else (_as_dtype(t, dt) if s is None else scale_into(t, _per_leading(s, t), dt, backend))
-            for t, dt, s in zip((grads.input, grads.weight, grads.bias), dtypes, (g, g_sums, g_sums))]
+    return [None if t is None else (_as_dtype(t, dt) if s is None else scale_into(
+        t, _per_leading(s, t), dt, backend, out=torch.empty(t.shape, dtype=dt, device=t.device) if fresh else None))
+        for t, dt, s in zip((grads.input, grads.weight, grads.bias), dtypes, (g, g_sums, g_sums))]
 
 
 def _per_leading(scale: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -570,7 +575,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return None, None, *out, None, None, None, None, None
 
 
-def _redo_standard(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, spec: LoopSpec) -> PendingGrads:
+def redo_standard(p: PendingExp, x_c: torch.Tensor, w: torch.Tensor, spec: LoopSpec) -> PendingGrads:
     """The single chunk's dlogits as the standard path makes them (rows left the exp-logits window),
     unscaled (``finish_pending`` applies the reduction's scale); forward's loss and lse stand."""
     bias, class_weight, weight_sum = p.redo
@@ -589,7 +594,7 @@ def _input_grads(ctx, loop, spec: LoopSpec, needs, dtypes, g: torch.Tensor) -> l
     if isinstance(grads, PendingExp):
         done = exp_logits.finish(grads, *saved, g, needs, dtypes)
         grads = ChunkGrads(*done, None) if done is not None else finish_pending(
-            _redo_standard(grads, *saved, spec), *saved, g, needs, dtypes, spec.backend)
+            redo_standard(grads, *saved, spec), *saved, g, needs, dtypes, spec.backend)
         g = None
     elif isinstance(grads, PendingGrads):
         grads = grads.finish(*saved, g, needs, dtypes, spec.backend)

@@ -15,6 +15,8 @@ import threading
 from types import ModuleType
 from typing import Any, Callable, TypeVar
 
+import torch
+
 Fn = TypeVar("Fn", bound=Callable[..., Any])
 
 _pending: dict[str, list[Callable[[ModuleType], None]]] = {}
@@ -33,20 +35,25 @@ def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
     callback(module)
 
 
-def compile_disabled(fn: Fn) -> Fn:
+def compile_disabled(fn: Fn | None = None, *, traced: Callable[..., Any] | None = None):
     """``torch.compiler.disable(fn)`` from the moment ``torch._dynamo`` is imported (torch.compile
     imports it); plain ``fn`` before, when nothing compiles. Under torch.compile a call is one graph
-    break and runs ``fn`` eagerly."""
+    break and runs ``fn`` eagerly, unless ``traced`` (same arguments, traced by torch.compile) returns
+    something other than NotImplemented. Used bare (``@compile_disabled``) or with ``traced``."""
+    if fn is None:
+        return functools.partial(compile_disabled, traced=traced)
     target = fn
 
     @functools.wraps(fn)
     def entry(*args, **kwargs):
+        if traced is not None and torch.compiler.is_compiling():
+            result = traced(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
         return target(*args, **kwargs)
 
     def disable(_dynamo: ModuleType) -> None:
         nonlocal target
-        import torch
-
         target = torch.compiler.disable(fn)
 
     when_imported("torch._dynamo", disable)

@@ -58,10 +58,11 @@ class LossOptions:
 
 
 def check_run_options(reduction: str, num_items_in_batch, chunk_size, accum_dtype, backend: str = "auto",
-                      return_stats: bool = False, validate_target: bool = True):
+                      return_stats: bool = False, validate_target: bool = True, read_cpu: bool = True):
     """Checks of the per-call knobs shared by every front end (the loss itself: LossOptions).
 
-    Returns num_items_in_batch as None, a float, or a 0-d tensor (on a CPU: read here, as a float)."""
+    Returns num_items_in_batch as None, a float, or a 0-d tensor (on a CPU: read here, as a float, unless
+    ``read_cpu`` is False: torch.compile traces the call)."""
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if accum_dtype is not None and not (isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point):
@@ -75,15 +76,16 @@ def check_run_options(reduction: str, num_items_in_batch, chunk_size, accum_dtyp
         return None
     if reduction == "none":
         raise ValueError("num_items_in_batch cannot be combined with reduction='none'")
-    return check_num_items(num_items_in_batch)
+    return check_num_items(num_items_in_batch, read_cpu)
 
 
 _NUM_ITEMS = ("num_items_in_batch must be None or the number of items the summed loss is divided by: an int or "
               "float >= 0 (0: nothing counts, the loss is 0), or a one-element real tensor holding one")
 
 
-def check_num_items(value):
-    """num_items_in_batch as a float, or as a 0-d tensor where reading it would wait for a GPU.
+def check_num_items(value, read_cpu: bool = True):
+    """num_items_in_batch as a float, or as a 0-d tensor where reading it would wait for a GPU (or, without
+    ``read_cpu``, be a graph break).
 
     Accepted: int, float (NumPy scalars too), or a real tensor with one element (0-d as Trainer passes it,
     or (1,) / (1, 1) as it passes it to nn.DataParallel replicas). Finite and >= 0; on a GPU the value is
@@ -94,7 +96,7 @@ def check_num_items(value):
         if value.requires_grad:
             raise ValueError("num_items_in_batch requires grad, but the loss is not differentiable with respect "
                              "to it: pass num_items_in_batch.detach()")
-        if value.device.type != "cpu":
+        if value.device.type != "cpu" or not read_cpu:
             return value.reshape(())
         value = value.item()
     elif isinstance(value, bool) or not isinstance(value, numbers.Real):

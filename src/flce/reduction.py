@@ -6,10 +6,13 @@ Shared by every front end (plain, grouped, vocab-parallel); device work only, no
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from .kernels.targets import count_targets
 from .options import LossOptions
+from .planner import ChunkPlan
 
 
 @dataclass
@@ -26,6 +29,43 @@ class LossStats:
     accuracy: torch.Tensor
     num_valid: torch.Tensor
     group_losses: torch.Tensor | None = None
+
+
+class ScaleParts(NamedTuple):
+    """What a call computes from its targets before the GEMMs (``loss_scale``): class weights in the math dtype
+    (V,) and their sum, or None; counts [valid, out of range, ...] int64 on the targets' device; the reduction's
+    0-d scale (None for reduction="none"); and ``kernel_counts``: counts again where the CE kernel fills them
+    and writes the scale and the mean itself (``function.LoopSpec.counts``), else None."""
+
+    class_w: torch.Tensor | None
+    weight_sum: torch.Tensor | None
+    counts: torch.Tensor
+    scale: torch.Tensor | None
+    kernel_counts: torch.Tensor | None
+
+
+def loss_scale(t: torch.Tensor, class_weight: torch.Tensor | None, opts: LossOptions, num_items, vocab: int,
+               acc: torch.dtype, backend: str, plan: ChunkPlan | None, grad: bool) -> ScaleParts:
+    """``ScaleParts`` for targets t (n,) int64; num_items as ``check_num_items`` returns it; plan: the chunk plan
+    where the CE kernel may finish the mean (None: never)."""
+    class_w = class_weight.to(acc).contiguous() if class_weight is not None else None
+    weight_sum = class_w.sum() if class_w is not None else None
+    if kernel_finishes_mean(plan, grad, opts, class_w, num_items, acc):
+        counts = torch.zeros(3, dtype=torch.int64, device=t.device)
+        scale = torch.empty((), dtype=torch.float32, device=t.device)  # written by the CE kernel
+        return ScaleParts(class_w, weight_sum, counts, scale, counts)
+    counts, count_scale = count_targets(t, opts.ignore_index, vocab, backend)
+    scale = None if opts.reduction == "none" else reduction_scale(t, class_w, opts, num_items, counts, count_scale,
+                                                                  acc)
+    return ScaleParts(class_w, weight_sum, counts, scale, None)
+
+
+def kernel_finishes_mean(plan: ChunkPlan | None, grad: bool, opts: LossOptions, class_w, num_items, acc) -> bool:
+    """Whether the CE kernel counts the targets and finishes the mean itself (``LoopSpec.counts``): for a
+    plain float32 mean over one chunk in training, which spares a small, launch-bound batch three launches.
+    (Its dlogits carry 1 / temperature: other temperatures count first, so that backward applies it.)"""
+    return (grad and plan is not None and plan.n_rows > 0 and plan.num_chunks == 1 and opts.reduction == "mean"
+            and class_w is None and num_items is None and acc == torch.float32 and opts.temperature == 1.0)
 
 
 def reduction_scale(t: torch.Tensor, class_w: torch.Tensor | None, opts: LossOptions, num_items,

@@ -164,9 +164,10 @@ def num_tiles(vocab: int) -> int:
     return triton.cdiv(vocab, TILE.block_n)
 
 
-def tma_ready(t: torch.Tensor) -> bool:
+def tma_ready(t: torch.Tensor, check_address: bool = True) -> bool:
     """A tensor descriptor needs unit inner stride, 16-byte aligned outer strides and base address."""
-    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    aligned = t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+    return aligned and (not check_address or t.data_ptr() % 16 == 0)
 
 
 # Tests set this to run the path under TRITON_INTERPRET=1 (fp16 only: the interpreter of triton 3.9
@@ -183,20 +184,21 @@ def hopper(device: torch.device) -> bool:
 
 
 def supported(x_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              out: torch.Tensor | None = None) -> bool:
+              out: torch.Tensor | None = None, check_address: bool = True, device: torch.device | None = None) -> bool:
     """Whether this path can run the chunk (Hopper or newer, 16-bit floats, TMA-able layouts, a unit-stride
     bias, enough rows, a vocabulary), storing into ``out`` if given: its rows must start 16-byte aligned too
-    (``tma_ready``; at any V a buffer from ``gemm.padded_rows`` does)."""
+    (``tma_ready``; at any V a buffer from ``gemm.padded_rows`` does). Without ``check_address`` the base
+    addresses are not asked (fake tensors have none); ``device``: the operands' (where they are meta tensors)."""
     return (
         x_c.shape[0] >= MIN_ROWS
         and weight.shape[0] > 0
         and x_c.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x_c.dtype
         and (bias is None or bias.stride(0) == 1)
-        and tma_ready(x_c)
-        and tma_ready(weight)
-        and (out is None or tma_ready(out))
-        and hopper(x_c.device)
+        and tma_ready(x_c, check_address)
+        and tma_ready(weight, check_address)
+        and (out is None or tma_ready(out, check_address))
+        and hopper(device or x_c.device)
     )
 
 
