@@ -126,6 +126,23 @@ def test_no_rows():
     assert loss.item() == 0.0 and gx.shape == x.shape and not gw.any()
 
 
+def test_in_place_change_after_forward_raises_and_strided_input():
+    """Autograd's contract holds compiled: the weight changed in place between forward and backward raises; a
+    transposed (strided) input gives float64's loss and gradient."""
+    x, w, _, t = _case(10, 16, 50, torch.float32, False)
+    compiled = torch.compile(_loss, backend="aot_eager", fullgraph=True)
+    loss = compiled(x, w, t)
+    with torch.no_grad():
+        w.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    base = torch.randn(16, 10, device=DEVICE, requires_grad=True)
+    loss = compiled(base.t(), w, t)
+    want, (x64, _, _) = reference_loss(base.t(), w, t)
+    assert_loss_close(loss, want, 1e-5)
+    assert_close(torch.autograd.grad(loss, base)[0].t(), torch.autograd.grad(want, x64)[0], 1e-5, "grad_input")
+
+
 def test_autocast_keeps_the_weights_dtype():
     """Float32 weights under bf16 autocast: the GEMMs in bf16 (the weight's copy kept for backward), the
     gradients in float32, as eagerly."""

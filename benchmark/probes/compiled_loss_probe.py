@@ -108,7 +108,8 @@ def _timed_rounds(steps: list, eager: list, bt: int, device, rounds: int, floor_
         kept.append((name, step))
         samples[name] = []
         if name.startswith("flce") and name != "flce eager":
-            notes[name] = "  grads vs eager flce: " + " / ".join(f"{rel_err(a, b):.2e}" for a, b in zip(got, eager))
+            notes[name] = "  first call's grads vs eager flce: " + " / ".join(
+                f"{rel_err(a, b):.2e}" for a, b in zip(got, eager))
     for _ in range(rounds):
         for name, step in kept:
             samples[name].append(running_loop_ms(step, device, steps=10 if bt >= 4096 else 100, warmup=3))
