@@ -147,8 +147,9 @@ class ScaleRows(torch.autograd.Function):
 
 
 def head_loss(head: nn.Module, rows: torch.Tensor, target: torch.Tensor, transform: LogitTransform,
-              options: dict) -> torch.Tensor:
-    """Cross-entropy of ``transform(head(rows))`` against target (N,), computed by one call of ``head``.
+              options: dict, call: bool = True) -> torch.Tensor:
+    """Cross-entropy of ``transform(head(rows))`` against target (N,), computed by one call of ``head``, or
+    without calling it (``call=False``, for a head that ``reads_directly``).
 
     options: keyword options for flce.linear_cross_entropy (reduction, ignore_index, ...).
     """
@@ -167,6 +168,8 @@ def head_loss(head: nn.Module, rows: torch.Tensor, target: torch.Tensor, transfo
         return linear_cross_entropy(parts.input, weight, target, linear_bias=bias, **transform.loss_options(),
                                     **options)
 
+    if not call:
+        return fused_forward(rows)
     # accelerate's hooks (offload, device maps) call module._old_forward between pre/post hooks.
     attr = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
     saved = module.__dict__.get(attr)
@@ -178,6 +181,19 @@ def head_loss(head: nn.Module, rows: torch.Tensor, target: torch.Tensor, transfo
             delattr(module, attr)
         else:
             setattr(module, attr, saved)
+
+
+def reads_directly(head: nn.Module) -> bool:
+    """Whether the head's call would do nothing but its linear map: a plain nn.Linear, no wrapper, no hook of its
+    own or global, no accelerate hook. Its weight may then be read without the call, which torch.compile traces
+    (the loss's custom ops, no graph break); any other head is called, hooks and all, behind a graph break."""
+    from torch.nn.modules import module as hooks
+
+    own = (head._forward_hooks, head._forward_pre_hooks, head._backward_hooks, head._backward_pre_hooks)
+    shared = (hooks._global_forward_hooks, hooks._global_forward_pre_hooks, hooks._global_backward_hooks,
+              hooks._global_backward_pre_hooks)
+    return (_is_plain_linear(head) and innermost(head) is head and not hasattr(head, "_hf_hook")
+            and not any(own) and not any(shared))
 
 
 def _is_plain_linear(module: nn.Module) -> bool:

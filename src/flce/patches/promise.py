@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..import_hooks import compile_disabled
 from .transform import ADVICE, LogitTransform, Unfusable
 
 
@@ -312,10 +313,27 @@ def _moves_vocab(op: str, ndim: int, args: tuple, kwargs: dict) -> bool:
     return any(d % ndim == ndim - 1 for d in dims)
 
 
-@torch.compiler.disable  # the one graph break of a compiled patched model: the head call and flce's loss
+def _traced_cross_entropy(input, target, *args, **kwargs):
+    """``fused_cross_entropy`` as torch.compile traces it, for a head read without its call (``reads_directly``):
+    the loss's custom ops, no graph break; NotImplemented (the graph break and the head's call) otherwise."""
+    from .head import reads_directly
+
+    if not isinstance(input, LogitsPromise) or not reads_directly(input._call.head):
+        return NotImplemented
+    return _fused_loss(input, target, *args, through_head=False, **kwargs)
+
+
+# Under torch.compile a head that hooks or wrappers must see is called eagerly: the graph's one break.
+@compile_disabled(traced=_traced_cross_entropy)
 def fused_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                         reduction="mean", label_smoothing=0.0):
     """F.cross_entropy of a promise: the fused loss, computed by one call of the head (hooks and all)."""
+    return _fused_loss(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+
+
+def _fused_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
+                label_smoothing=0.0, through_head: bool = True):
+    """``fused_cross_entropy``'s work; ``through_head``: by a call of the head (else read off it, ``head_loss``)."""
     from .head import head_loss
 
     if not isinstance(input, LogitsPromise):
@@ -339,7 +357,7 @@ def fused_cross_entropy(input, target, weight=None, size_average=None, ignore_in
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
     try:
         loss = head_loss(call.head, hidden, target.reshape(hidden.shape[:-1]).to(hidden.device), transform,
-                         dict(options, ignore_index=ignore_index, reduction=reduction))
+                         dict(options, ignore_index=ignore_index, reduction=reduction), call=through_head)
     except Unfusable as e:  # what the head's call found (its weight as gathered by its hooks)
         raise ValueError(f"flce cannot fuse {call.owner}: {e}; {ADVICE}") from None
     call.losses += 1
