@@ -87,15 +87,19 @@ def test_bf16_peft_head_on_cuda(dropout, dora):
     assert_same_step(got, want, got_grads, want_grads, 1e-2, 6e-2)
 
 
-def test_inductor_compiled_patched_llama_on_cuda():
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["inductor", "cuda-graphs"])
+def test_inductor_compiled_patched_llama_on_cuda(mode):
+    """One graph with the loss's custom ops (fullgraph); with CUDA graphs the replays (new gradients each step, as
+    ``loss_and_grads`` zeroes them) give the unpatched eager step."""
     model = _cuda_model("LlamaConfig")
     inputs = _cuda_batch()
     want, want_grads = loss_and_grads(model, **inputs)
     torch._dynamo.reset()
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, mode=mode, fullgraph=True)
     try:
         with patched(model):
-            for _ in range(2):  # the second call runs the cached graphs
+            for _ in range(3):  # then the cached graphs (with CUDA graphs: warm-up, capture, replay)
+                torch.compiler.cudagraph_mark_step_begin()
                 got, got_grads = loss_and_grads(model, through=compiled, **inputs)
                 assert_same_step(got, want, got_grads, want_grads, 1e-2, 6e-2)
     finally:

@@ -44,7 +44,8 @@ class LogitsPromise:
 
     rows: int64 (*lead) indices into the head input's flattened rows, or None for all of them in order.
     A plain object with the tensor methods models use on logits (and ``__torch_function__`` for torch's
-    functions), so that torch.compile traces it: the fused loss is the only graph break.
+    functions), so that torch.compile traces it, and the fused loss too where the head is read without its call
+    (``head.reads_directly``); else the loss is the only graph break.
     """
 
     def __init__(self, call: HeadCall, lead: tuple[int, ...], width: int, dtype: torch.dtype,
