@@ -6,10 +6,11 @@ cuBLAS GEMMs (the floor). Per variant: milliseconds per step in a running loop (
 loop reading, where a host-bound step shows its host's time), x the floor's, the median of rounds in which the
 variants take turns; and each compiled flce variant's gradients against eager flce's (relative error). GPU only:
 
-    PYTHONPATH=src:benchmark python benchmark/probes/compiled_loss_probe.py [--profile] [BTxHxV ...]
+    PYTHONPATH=src:benchmark python benchmark/probes/compiled_loss_probe.py [--only A,B] [--profile] [BTxHxV ...]
 
-``--profile``: instead, torch.profiler over three steps of "flce compiled" and "flce break": GPU kernels, host
-ops and their times, to find where the two differ.
+``--only``: these variants alone (names as printed, e.g. "flce eager,flce graphs"). ``--profile``: instead,
+torch.profiler over three steps of "flce compiled" and "flce break": GPU kernels, host ops and their times, to find
+where the two differ.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def main(shapes: list[str], rounds: int = 5) -> None:
+def main(shapes: list[str], rounds: int = 5, only: list[str] | None = None) -> None:
     """Variants without CUDA graphs take turns in ``rounds`` rounds with the floor (the GPU's clock drifts
     between them); each CUDA-graph variant then runs its rounds alone, beside the floor, as a training loop
     with one compiled model would (CUDA-graph trees taking turns with other graphed functions re-record)."""
@@ -79,7 +80,7 @@ def main(shapes: list[str], rounds: int = 5) -> None:
         floor = ("floor", lambda: floor_step(x, w, t))
         print(f"\n== {spec}, median of {rounds} rounds")
         torch._dynamo.reset()
-        made = variants()
+        made = {k: v for k, v in variants().items() if only is None or k in only}
         alone = [name for name in made if "graphs" in name]
         turns = [floor] + [(n, with_traced(made[n][1], step_of(made[n][0], x, w, t))) for n in made if n not in alone]
         results = _timed_rounds(turns, eager, bt, device, rounds)
@@ -158,7 +159,10 @@ def profile(shapes: list[str]) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args and args[0] == "--profile":
+    chosen = None
+    if args[:1] == ["--only"]:
+        chosen, args = args[1].split(","), args[2:]
+    if args[:1] == ["--profile"]:
         profile(args[1:] or ["8192x4096x128256"])
     else:
-        main(args or SHAPES)
+        main(args or SHAPES, only=chosen)
