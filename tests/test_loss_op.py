@@ -193,9 +193,13 @@ def test_the_ops_pass_opcheck(chunk_size, gemm_dtype, backend):
     dtype = torch.float32 if backend == "torch" else torch.float16
     x, w, b, t = _case(20, 16, 40, dtype, True)
     for reduction in ("mean", "none"):
-        args = (x, w, b, t, None, None, None, -100, 0.0, 0.0, None, 1.0, reduction, chunk_size, None,
-                gemm_dtype or dtype, backend, True, [True, True, True])
+        options = (-100, 0.0, 0.0, None, 1.0, reduction, chunk_size, None, gemm_dtype or dtype, backend, True)
+        args = (x, w, b, t, None, None, None, *options, [True, True, True])
         torch.library.opcheck(loss_op._forward_op, args)
+        loss, *kept = loss_op._forward_op(*args)
+        grad_loss = torch.rand_like(loss) + 0.5  # the backward op is not differentiable: plain tensors
+        inputs = [a.detach() for a in (grad_loss, x, w, b, t, *kept)]
+        torch.library.opcheck(loss_op._backward_op, (*inputs[:5], None, *inputs[5:], *options, [True, False, True]))
 
 
 # ------------------------------------------------------------------- the exp-logits path inside the ops

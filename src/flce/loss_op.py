@@ -220,56 +220,88 @@ def _backward_op(grad_loss, x, weight, bias, target, class_weight, dlogits, grad
                  temperature, reduction, chunk_size, accum_dtype, dtype, backend, validate, needs):
     """Gradients of x, weight and bias ((0,) where ``needs`` says not), new tensors in the inputs' dtypes; raises
     on a bad target once its GEMMs are queued."""
-    needs = tuple(needs)
-    opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction)
-    backend = resolve_backend(backend, x.device, dtype)
-    dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+    call = _Call(x, weight, bias, target, class_weight,
+                 LossOptions(ignore_index, label_smoothing, z_loss, softcap, temperature, reduction), chunk_size,
+                 accum_dtype, dtype, resolve_backend(backend, x.device, dtype), tuple(needs))
     g = grad_loss.to(math_dtype(dtype))
     if reduction == "none":  # the per-row grad_output is known only now: the loop runs again
-        out = _rerun(x, weight, bias, target, class_weight, g.contiguous(), None, opts, chunk_size, accum_dtype, dtype,
-                     backend, needs, dtypes)
+        out = _rerun(call, g.contiguous(), None)
     elif dlogits.dim() == 2:  # a single chunk: its two GEMMs
-        xs = x_cast if x_cast.dim() == 2 else x
-        ws = weight_cast if weight_cast.dim() == 2 else weight
-        path = _path_taken(ints)
-        if path == "exp":
-            pending = PendingExp(dlogits, coefs, ints, target, None, None, scale, None, ())
-            out = [*exp_logits.finish(pending, xs, ws, g, needs, dtypes), None]
-        else:
-            pending = PendingGrads(dlogits, None, None, scale)
-            if path == "missed":  # rows left the window: the standard path's dlogits into the same buffer
-                class_w = None if class_weight is None else class_weight.to(math_dtype(dtype)).contiguous()
-                redo = (bias, class_w, None if class_w is None else class_w.sum())
-                spec = LoopSpec(opts, _layout(x, weight, bias, needs, opts, chunk_size, accum_dtype, dtype,
-                                              backend).plan, dtype, backend, exp_path=False)
-                fresh = padded_rows(*dlogits.shape, dlogits.dtype, dlogits.device)  # not into an input
-                pending = function.redo_standard(PendingExp(fresh, coefs, ints, target, None, None, scale, None, redo), xs,
-                                        ws, spec)
-            out = scale_grads(finish_pending(pending, xs, ws, g, needs, dtypes, backend), None, dtypes, backend)
+        out = _single_chunk_grads(call, dlogits, scale, x_cast, weight_cast, coefs, ints, g)
     elif _path_taken(ints) == "missed":  # several chunks: rows left the window, the loop runs again
-        out = _rerun(x, weight, bias, target, class_weight, loss_scale, g, opts, chunk_size, accum_dtype, dtype,
-                     backend, needs, dtypes)
+        out = _rerun(call, loss_scale, g)
     else:  # several chunks (or none): their gradients times grad_output
         handed = [t if t.shape != (0,) and need else None
-                  for t, need in zip((grad_input, grad_weight, grad_bias), needs)]
-        out = scale_grads(ChunkGrads(*handed, scale=scale if scale.dim() == 0 else None), g, dtypes, backend,
+                  for t, need in zip((grad_input, grad_weight, grad_bias), call.needs)]
+        out = scale_grads(ChunkGrads(*handed, scale=scale if scale.dim() == 0 else None), g, call.dtypes, call.backend,
                           fresh=True)
     if counts.numel():
         _check_targets(counts, target, weight.shape[0], ignore_index)
     # (0,) where not needed; zeros where needed and none was computed (no rows)
     return tuple(x.new_empty(0) if not need else t if t is not None else torch.zeros_like(like)
-                 for t, like, need in zip(out, (x, weight, bias), needs))
+                 for t, like, need in zip(out, (x, weight, bias), call.needs))
 
 
-def _rerun(x, weight, bias, target, class_weight, loop_scale, g, opts, chunk_size, accum_dtype, dtype, backend, needs,
-           dtypes) -> list:
+class _Call(NamedTuple):
+    """What backward knows of the call: its differentiable inputs, targets and class weights, options, the chunk
+    size and accumulator asked for, the GEMMs' dtype, the resolved backend, the gradients needed."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    target: torch.Tensor
+    class_weight: torch.Tensor | None
+    opts: LossOptions
+    chunk_size: int | None
+    accum_dtype: torch.dtype | None
+    dtype: torch.dtype
+    backend: str
+    needs: tuple[bool, bool, bool]
+
+    @property
+    def dtypes(self) -> tuple:
+        return self.x.dtype, self.weight.dtype, None if self.bias is None else self.bias.dtype
+
+    def spec(self) -> LoopSpec:
+        """The loop on the standard path, with the eager call's chunk plan."""
+        plan = _layout(self.x, self.weight, self.bias, self.needs, self.opts, self.chunk_size, self.accum_dtype,
+                       self.dtype, self.backend).plan
+        return LoopSpec(self.opts, plan, self.dtype, self.backend, exp_path=False)
+
+    def class_weights(self) -> tuple:
+        """(class weights in the math dtype, their sum), or (None, None)."""
+        if self.class_weight is None:
+            return None, None
+        class_w = self.class_weight.to(math_dtype(self.dtype)).contiguous()
+        return class_w, class_w.sum()
+
+
+def _single_chunk_grads(call: _Call, dlogits, scale, x_cast, weight_cast, coefs, ints, g) -> list:
+    """A single chunk's two GEMMs on what forward kept: exp(z) where the exp-logits path ran, else the dlogits; the
+    standard path's dlogits recomputed (into a new buffer, not an input) where rows left the path's window."""
+    xs = x_cast if x_cast.dim() == 2 else call.x
+    ws = weight_cast if weight_cast.dim() == 2 else call.weight
+    path = _path_taken(ints)
+    if path == "exp":
+        pending = PendingExp(dlogits, coefs, ints, call.target, None, None, scale, None, ())
+        return [*exp_logits.finish(pending, xs, ws, g, call.needs, call.dtypes), None]
+    pending = PendingGrads(dlogits, None, None, scale)
+    if path == "missed":
+        fresh = padded_rows(*dlogits.shape, dlogits.dtype, dlogits.device)
+        redo = (call.bias, *call.class_weights())
+        pending = function.redo_standard(PendingExp(fresh, coefs, ints, call.target, None, None, scale, None, redo),
+                                         xs, ws, call.spec())
+    return scale_grads(finish_pending(pending, xs, ws, g, call.needs, call.dtypes, call.backend), None, call.dtypes,
+                       call.backend)
+
+
+def _rerun(call: _Call, loop_scale: torch.Tensor, g: torch.Tensor | None) -> list:
     """The chunk loop again on the standard path with ``loop_scale`` (the per-row grad_output, or the loss's
     scale), its gradients times g (None: already in)."""
-    scaled = loss_scale(target, class_weight, opts, None, weight.shape[0], math_dtype(dtype), backend, None, False)
-    plan = _layout(x, weight, bias, needs, opts, chunk_size, accum_dtype, dtype, backend).plan
-    spec = LoopSpec(opts, plan, dtype, backend, exp_path=False)
-    _, grads = chunk_loop(x, weight, bias, target, scaled.class_w, scaled.weight_sum, loop_scale, needs, spec)
-    return scale_grads(grads, g, dtypes, backend)
+    class_w, weight_sum = call.class_weights()
+    _, grads = chunk_loop(call.x, call.weight, call.bias, call.target, class_w, weight_sum, loop_scale, call.needs,
+                          call.spec())
+    return scale_grads(grads, g, call.dtypes, call.backend)
 
 
 def _path_taken(ints: torch.Tensor) -> str:
