@@ -8,8 +8,9 @@ a single chunk's unscaled dlogits and pending scale, or several chunks' gradient
 target counts. Differences from an eager call, all of which keep the result:
 
 - the exp-logits path (``exp_logits.py``) keeps its stored exponentials in the outputs that the standard path's
-  dlogits take, and a flag says which path ran: backward reads it first (a host sync), and while a CUDA graph is
-  being captured takes the standard path, which forward then took too (forward's capture asserts it);
+  dlogits take, and a flag says which path ran: backward reads it first (a host sync); while a CUDA graph is
+  being captured it takes the standard path, which a captured forward took too (a device-side assert refuses a
+  backward captured without its forward);
 - ignored rows are computed and zeroed, never dropped (dropping them needs their count on the host);
 - the target check waits in backward (forward without gradients: at its end); while a CUDA graph is being
   captured it is a device-side assert (``torch._assert_async``), which stops the process on a bad target as
@@ -85,6 +86,7 @@ class _Layout(NamedTuple):
 
 
 def _layout(x, weight, bias, needs, opts: LossOptions, chunk_size, accum_dtype, dtype, backend: str) -> _Layout:
+    """The ``_Layout`` of a call (x (n, H), weight (V, H); backend as the caller gave it)."""
     n, hidden = x.shape
     backend = resolve_backend(backend, x.device, dtype)
     plan = plan_chunks(n, weight.shape[0], dtype, weight.dtype, chunk_size=chunk_size, accum_dtype=accum_dtype,
@@ -92,13 +94,13 @@ def _layout(x, weight, bias, needs, opts: LossOptions, chunk_size, accum_dtype, 
     grad = any(needs) and opts.reduction != "none" and n > 0
     deferred = grad and plan.num_chunks == 1
     exp_grads = (needs[0] or needs[1]) and not needs[2]  # the path gives no bias gradient
-    exp_single = deferred and exp_grads and exp_logits.suited(_as_dtype(x, dtype), _as_dtype(weight, dtype), bias,
+    exp_single = deferred and exp_grads and exp_logits.suited(_cast_layout(x, dtype), _cast_layout(weight, dtype), bias,
                                                               True, opts, False, backend, x.device)
     exp_multi = grad and not deferred and exp_grads and plan.input_product_cols > 0 and hopper_gemms(backend, x.device)
     return _Layout(plan, backend, grad, deferred, grad and not deferred, exp_single, exp_multi)
 
 
-def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _cast_layout(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t, or a meta tensor of its layout in ``dtype`` (what a cast would give, for shape and stride checks)."""
     return t if t.dtype == dtype else torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
 
