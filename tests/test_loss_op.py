@@ -172,6 +172,22 @@ def test_bad_target_raises(grad):
     assert loss.isnan()
 
 
+@pytest.mark.parametrize("bad,match", [
+    ({"linear_weight": (50, 8)}, "hidden size mismatch"),
+    ({"reduction": "avg"}, "reduction must be one of"),
+    ({"chunk_size": 0}, "chunk_size must be a positive int"),
+    ({"num_items_in_batch": -1}, "num_items_in_batch"),
+])
+def test_bad_arguments_raise_the_eager_errors(bad, match):
+    """Compiled, the argument checks raise the same clear errors, naming the argument."""
+    x, w, _, t = _case(4, 16, 50, torch.float32, False)
+    bad = dict(bad)
+    if "linear_weight" in bad:
+        w = torch.randn(*bad.pop("linear_weight"), device=DEVICE, requires_grad=True)
+    with pytest.raises(ValueError, match=match):
+        torch.compile(_loss, backend="aot_eager")(x, w, t, **bad)
+
+
 def test_what_the_ops_do_not_serve_keeps_one_graph_break():
     """return_stats and low_memory run eagerly behind a graph break, with the same result."""
     x, w, _, t = _case(12, 16, 50, torch.float32, False)
