@@ -112,28 +112,25 @@ def eligible(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, grad
              opts: LossOptions, want_correct: bool, backend: str, out: torch.Tensor | None = None) -> bool:
     """Whether a chunk's shapes, dtypes and options suit the path (no bias gradient asked of it), storing e
     into ``out`` if given (``logits_triton.supported``)."""
-    if not suited(x_c, w, bias, grad_scale is not None and grad_scale.dim() == 0, opts, want_correct, backend):
-        return False
-    from .kernels import logits_triton
-
-    if not logits_triton.supported(x_c, w, bias, out):
-        return False
-    return not (x_c.is_cuda and torch.cuda.is_current_stream_capturing())  # backward's wait cannot be captured
+    scalar_scale = grad_scale is not None and grad_scale.dim() == 0
+    return (suited(x_c, w, bias, scalar_scale, opts, want_correct, backend, out=out, check_address=True)
+            and not (x_c.is_cuda and torch.cuda.is_current_stream_capturing()))  # backward's wait cannot be captured
 
 
 def suited(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scalar_scale: bool, opts: LossOptions,
-           want_correct: bool, backend: str, device: torch.device | None = None) -> bool:
-    """``eligible``'s conditions on shapes, strides, dtypes and options alone (fake and meta tensors answer them
-    too; ``device``: the operands', where they are meta tensors): what a custom op's outputs can be laid out by;
-    the operands' addresses and CUDA-graph capture decide the rest when it runs. scalar_scale: the reduction's
-    scale is 0-d (not reduction="none")."""
+           want_correct: bool, backend: str, device: torch.device | None = None, out: torch.Tensor | None = None,
+           check_address: bool = False) -> bool:
+    """``eligible``'s conditions but CUDA-graph capture; without ``check_address`` on shapes, strides, dtypes and
+    options alone (fake and meta tensors answer them too; ``device``: the operands', where they are meta tensors):
+    what a custom op's outputs can be laid out by, the operands' addresses and capture deciding the rest when it
+    runs. scalar_scale: the reduction's scale is 0-d (not reduction="none")."""
     if backend != "triton" or x_c.shape[0] < MIN_ROWS or x_c.dtype not in WINDOWS or want_correct:
         return False
     if opts.label_smoothing > 0.0 or opts.z_loss > 0.0 or opts.softcap is not None or not scalar_scale:
         return False
     from .kernels import logits_triton
 
-    return logits_triton.supported(x_c, w, bias, check_address=False, device=device)
+    return logits_triton.supported(x_c, w, bias, out, check_address=check_address, device=device)
 
 
 def take_turn(device: torch.device) -> bool:

@@ -42,7 +42,7 @@ from .kernels.scale import scale_into
 from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
 from .planner import ChunkPlan, plan_chunks, weight_grad_hidden
-from .reduction import LossStats, items_scale, reduction_scale
+from .reduction import LossStats, class_weights, items_scale, reduction_scale
 
 GROUP_REDUCTIONS = ("sum", "mean", "pooled")
 
@@ -116,8 +116,7 @@ def grouped_linear_cross_entropy(
         if kept is not None:
             x, t = x.index_select(batch_dim, kept), t.index_select(batch_dim, kept)
 
-    class_w = weight.to(acc).contiguous() if weight is not None else None
-    weight_sum = class_w.sum() if class_w is not None else None
+    class_w, weight_sum = class_weights(weight, acc)
     scales = token_scale = None  # (G,) per-group loss scales, and as a per-token view in t's shape
     if reduction != "none":
         scales = _group_scales(t, class_w, opts, num_items, counts, count_scale, group_reduction, batch_dim, acc)

@@ -36,7 +36,7 @@ from .gemm import padded_rows, padded_width
 from .kernels import math_dtype, resolve_backend
 from .options import LossOptions
 from .planner import ChunkPlan, plan_chunks
-from .reduction import ScaleParts, loss_scale
+from .reduction import ScaleParts, class_weights, loss_scale
 
 TRACED = True  # False: torch.compile breaks its graph at the loss and runs it eagerly
 
@@ -272,10 +272,7 @@ class _Call(NamedTuple):
 
     def class_weights(self) -> tuple:
         """(class weights in the math dtype, their sum), or (None, None)."""
-        if self.class_weight is None:
-            return None, None
-        class_w = self.class_weight.to(math_dtype(self.dtype)).contiguous()
-        return class_w, class_w.sum()
+        return class_weights(self.class_weight, math_dtype(self.dtype))
 
 
 def _single_chunk_grads(call: _Call, dlogits, scale, x_cast, weight_cast, coefs, ints, g) -> list:

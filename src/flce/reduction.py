@@ -48,8 +48,7 @@ def loss_scale(t: torch.Tensor, class_weight: torch.Tensor | None, opts: LossOpt
                acc: torch.dtype, backend: str, plan: ChunkPlan | None, grad: bool) -> ScaleParts:
     """``ScaleParts`` for targets t (n,) int64; num_items as ``check_num_items`` returns it; plan: the chunk plan
     where the CE kernel may finish the mean (None: never)."""
-    class_w = class_weight.to(acc).contiguous() if class_weight is not None else None
-    weight_sum = class_w.sum() if class_w is not None else None
+    class_w, weight_sum = class_weights(class_weight, acc)
     if kernel_finishes_mean(plan, grad, opts, class_w, num_items, acc):
         counts = torch.zeros(3, dtype=torch.int64, device=t.device)
         scale = torch.empty((), dtype=torch.float32, device=t.device)  # written by the CE kernel
@@ -58,6 +57,14 @@ def loss_scale(t: torch.Tensor, class_weight: torch.Tensor | None, opts: LossOpt
     scale = None if opts.reduction == "none" else reduction_scale(t, class_w, opts, num_items, counts, count_scale,
                                                                   acc)
     return ScaleParts(class_w, weight_sum, counts, scale, None)
+
+
+def class_weights(class_weight: torch.Tensor | None, acc: torch.dtype) -> tuple:
+    """(class weights (V,) contiguous in the math dtype ``acc``, their 0-d sum), or (None, None)."""
+    if class_weight is None:
+        return None, None
+    class_w = class_weight.to(acc).contiguous()
+    return class_w, class_w.sum()
 
 
 def kernel_finishes_mean(plan: ChunkPlan | None, grad: bool, opts: LossOptions, class_w, num_items, acc) -> bool:

@@ -147,9 +147,9 @@ class ScaleRows(torch.autograd.Function):
 
 
 def head_loss(head: nn.Module, rows: torch.Tensor, target: torch.Tensor, transform: LogitTransform,
-              options: dict, call: bool = True) -> torch.Tensor:
+              options: dict, through_head: bool = True) -> torch.Tensor:
     """Cross-entropy of ``transform(head(rows))`` against target (N,), computed by one call of ``head``, or
-    without calling it (``call=False``, for a head that ``reads_directly``).
+    without calling it (``through_head=False``, for a head that ``reads_directly``).
 
     options: keyword options for flce.linear_cross_entropy (reduction, ignore_index, ...).
     """
@@ -168,7 +168,7 @@ def head_loss(head: nn.Module, rows: torch.Tensor, target: torch.Tensor, transfo
         return linear_cross_entropy(parts.input, weight, target, linear_bias=bias, **transform.loss_options(),
                                     **options)
 
-    if not call:
+    if not through_head:
         return fused_forward(rows)
     # accelerate's hooks (offload, device maps) call module._old_forward between pre/post hooks.
     attr = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"

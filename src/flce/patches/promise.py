@@ -358,7 +358,7 @@ def _fused_loss(input, target, weight=None, size_average=None, ignore_index=-100
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
     try:
         loss = head_loss(call.head, hidden, target.reshape(hidden.shape[:-1]).to(hidden.device), transform,
-                         dict(options, ignore_index=ignore_index, reduction=reduction), call=through_head)
+                         dict(options, ignore_index=ignore_index, reduction=reduction), through_head=through_head)
     except Unfusable as e:  # what the head's call found (its weight as gathered by its hooks)
         raise ValueError(f"flce cannot fuse {call.owner}: {e}; {ADVICE}") from None
     call.losses += 1
