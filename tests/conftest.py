@@ -44,6 +44,16 @@ ON_HOPPER = torch.cuda.is_available() and nvidia_major(torch.device("cuda")) >= 
 HOPPER_DTYPE = torch.bfloat16 if ON_HOPPER else torch.float16
 
 
+@pytest.fixture(params=[False, True], ids=["logits16", "logits32"])
+def wide_logits(request, monkeypatch):
+    """Whether small single chunks keep their logits in float32 (``function.wide_logits``): CUDA's default, which
+    the CPU reaches here through the GEMMs' upcast fallback; else in 16 bits, the CPU's default."""
+    import flce.function
+
+    monkeypatch.setattr(flce.function, "supports_out_dtype", lambda device, batched=False: request.param)
+    return request.param
+
+
 @pytest.fixture
 def hopper_gemm(monkeypatch):
     """Let flce's Hopper GEMM (``kernels.logits_triton``) take small shapes: on the CPU under the

@@ -29,7 +29,7 @@ def accesses(kernel, constexprs: dict) -> dict[str, int]:
         if name in constexprs:
             return "constexpr"
         if name.endswith("_ptr"):
-            return "*bf16" if name == "logits_ptr" else "*i64" if name in INT64_POINTERS else "*fp32"
+            return "*bf16" if name in ("logits_ptr", "grad_ptr") else "*i64" if name in INT64_POINTERS else "*fp32"
         return "fp32" if name in FLOAT_SCALARS else "i32"
 
     names = kernel.arg_names

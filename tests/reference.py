@@ -78,6 +78,12 @@ def poisoned_padded_copy(values: torch.Tensor) -> torch.Tensor:
     return buf.copy_(values)
 
 
+def logits_seen(x: torch.Tensor, w: torch.Tensor, wide: bool) -> torch.Tensor:
+    """In float64, the logits x @ w^T that flce's chunk computes from: exact (``wide``: a small single chunk's
+    float32 logits, ``function.wide_logits``) or as the 16-bit GEMM rounds them."""
+    return (x.double() @ w.double().t() if wide else (x @ w.t()).double()).detach()
+
+
 def errors_in_roundings(got, exact, dtype: torch.dtype) -> list[float]:
     """Each gradient's relative error against float64 as a multiple of that of the exact gradient rounded once
     to ``dtype`` (1.0: the best a ``dtype`` result can do)."""

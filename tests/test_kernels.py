@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import poisoned_padded_copy
+from reference import poisoned_padded_copy, rel_err
 
 from flce import gemm
 from flce.kernels import ce_chunk, ce_triton, resolve_backend, triton_available
@@ -277,6 +277,31 @@ def _row_reference(logits, target, opts, class_weight, scale):
     (grad,) = torch.autograd.grad((rows * scale.double()).sum(), z0)
     hit = (z.argmax(1) == target) & valid
     return rows.detach(), torch.where(valid, lse, 0.0).detach(), hit.double(), grad
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("opts", [LossOptions(), LossOptions(label_smoothing=0.1, z_loss=1e-2, softcap=30.0,
+                                                             temperature=0.8, ignore_index=3)])
+def test_gradient_into_a_buffer_of_its_own(backend, device, grad_dtype, opts):
+    """Float32 logits (a small batch's, ``function.wide_logits``) with the gradient written into a 16-bit buffer of
+    its own (``grad_out``, rows padded as the loop's buffers, their padding NaN): the float64 gradient of those
+    logits rounded once, the loss and lse as float64's; the padding is left alone."""
+    n, vocab = 9, 5000
+    logits = (torch.randn(n, vocab, dtype=torch.float64, device=device) * 6).float()  # logits of a trained model
+    target = torch.randint(0, vocab, (n,), device=device)
+    target[1] = opts.ignore_index
+    scale = torch.rand(n, device=device) + 0.5
+    want_loss, want_lse, _, want_grad = _row_reference(logits, target, opts, None, scale)
+    grad = poisoned_padded_copy(torch.zeros(n, vocab, dtype=grad_dtype, device=device))
+    loss, lse = (torch.full((n,), float("nan"), device=device) for _ in range(2))
+    ce_chunk(backend, logits.clone(), target, loss, lse, None, None, None, scale, opts, grad_out=grad)
+    assert torch.allclose(loss.double(), want_loss, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    # Triton's CPU interpreter rounds float32 to bf16 toward zero (twice the error of the GPU's rounding to nearest)
+    truncates = backend == "triton" and device.type == "cpu" and grad_dtype == torch.bfloat16
+    assert rel_err(grad, want_grad) <= (2.1 if truncates else 1.05) * rel_err(want_grad.to(grad_dtype), want_grad)
+    assert torch.all(grad[1] == 0)  # ignored row: exact zeros
+    assert grad.as_strided((n, grad.stride(0)), grad.stride())[:, vocab:].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -23,6 +23,9 @@ H, V = 4096, 128256
 EAGER_MAX_ROWS = 8192  # eager's float32 logits and their gradient: 13 GB at 8192 rows
 # (label, rows, linear_cross_entropy keywords, whether the exp-logits path may run)
 CASES = [
+    ("16 rows (cuBLAS logits, thin grad_weight)", 16, {}, True),
+    ("17 rows (cuBLAS logits and grad_weight)", 17, {}, True),
+    ("200 rows (cuBLAS logits)", 200, {}, True),
     ("512 rows (one chunk)", 512, {}, True),
     ("8192 rows (one chunk, exp-logits)", 8192, {}, True),
     ("8192 rows (one chunk, standard path)", 8192, {}, False),

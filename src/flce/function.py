@@ -42,7 +42,7 @@ import torch
 
 from . import exp_logits, loss_only
 from .exp_logits import PendingExp
-from .gemm import bmm_into, column_sums_into, first_cols, mm_into, mm_new, padded_rows
+from .gemm import bmm_into, column_sums_into, first_cols, mm_into, mm_new, padded_rows, supports_out_dtype
 from .kernels import ce_chunk, math_dtype
 from .kernels.scale import scale_into
 from .options import LossOptions
@@ -247,14 +247,18 @@ def chunk_loop(
                                                 _take(grads.input, rows), plan.input_product_cols, grads.weight,
                                                 i > 0, grads.bias, sums_scale=ce_scale, check=i == last_exp)
                 continue
-        logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend)
+        logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend, wide=True)
         parts.exact_lse &= tile_stats is not None
+        dl = logits
+        if grad and logits.dtype != compute_dtype:  # float32 logits (``wide_logits``): 16-bit dlogits apart
+            dl = _logits_buffer(logits.shape, compute_dtype, backend, dev)
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
                  _take(parts.correct, rows), class_weight, weight_sum,
-                 _take(ce_scale, rows) if row_scale else ce_scale, opts, counts, parts.total, tile_stats)
+                 _take(ce_scale, rows) if row_scale else ce_scale, opts, counts, parts.total, tile_stats,
+                 grad_out=None if dl is logits else dl)
         if defer:
-            return parts, PendingGrads(dlogits=logits, x=x_c, w=w, scale=pending_scale)
-        gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0, backend=backend,
+            return parts, PendingGrads(dlogits=dl, x=x_c, w=w, scale=pending_scale)
+        gradient_gemms(dl, x_c, w, grads, rows, accumulate=i > 0, backend=backend,
                        row_scale=_take(row_residual, rows), single=plan.num_chunks == 1)
     if misses is not None:  # a count copied before a later chunk of the path added to it would be stale
         grads.window = window or exp_logits.WindowCheck(misses)
@@ -368,13 +372,34 @@ def settle_residual(grads: ChunkGrads, residual: torch.Tensor | None) -> None:
         grads.bias *= _per_leading(residual, grads.bias)
 
 
+# Chunks of fewer rows than this, alone in their call, that cuBLAS multiplies (the fused Triton GEMM takes
+# 256 rows and more on Hopper) keep their logits in float32 where the GEMM writes them so (``wide_logits``).
+# Rounded to 16 bits a logit is off by up to |z| / 256, which every gradient carries: at logit std 6, 6-9x the
+# bf16 rounding of the exact gradients, as eager PyTorch's, against 1.3-1.7x in float32 (16-200 rows x 4096 x
+# 128256; benchmark/NOTES.md, Float32 logits at small batches). The 16-bit dlogits then go to a buffer of their own.
+WIDE_LOGITS_ROWS = 256
+
+
+def wide_logits(x_c: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """Whether a chunk's logits from 16-bit operands are kept in float32 (``WIDE_LOGITS_ROWS``): a chunk with no
+    buffer given (a single one), where cuBLAS writes float32 from 16-bit operands (``gemm.supports_out_dtype``:
+    CUDA; a CPU build would upcast the whole weight)."""
+    return (out is None and x_c.shape[0] < WIDE_LOGITS_ROWS and x_c.dtype in (torch.bfloat16, torch.float16)
+            and supports_out_dtype(x_c.device))
+
+
+def _logits_buffer(shape: torch.Size, dtype: torch.dtype, backend: str, device: torch.device) -> torch.Tensor:
+    """A new (n, V) buffer laid out as a single chunk's logits: rows 128-byte aligned for the row kernels."""
+    return padded_rows(*shape, dtype, device) if backend == "triton" else torch.empty(shape, dtype=dtype, device=device)
+
+
 def chunk_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,
-                 opts: LossOptions, backend: str, sums: bool = True,
+                 opts: LossOptions, backend: str, sums: bool = True, wide: bool = False,
                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None] | None]:
     """A chunk's logits x_c @ w^T (+ bias), (n, V), into ``out`` or a new tensor, and the CE kernel's
     (n, T) tile statistics when the fused Triton GEMM could compute them (``kernels.logits_triton``): the
     logits then hold r = logits / T less a shift per tile, which the tile maxima give; the tile sums only
-    with ``sums``."""
+    with ``sums``. ``wide``: new float32 logits where ``wide_logits`` says so."""
     if backend == "triton":
         from .kernels import logits_triton
 
@@ -386,7 +411,8 @@ def chunk_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
             logits_triton.logits_with_tile_stats(x_c, w, bias, logits, stats[0], tile_sum, opts)
             return logits, (stats[0], tile_sum)
     if out is None:
-        logits = mm_new(x_c, w.t(), x_c.dtype, padded=backend == "triton")  # the row kernels' layout
+        dtype = torch.float32 if wide and wide_logits(x_c, out) else x_c.dtype
+        logits = mm_new(x_c, w.t(), dtype, padded=backend == "triton")  # the row kernels' layout
     else:
         logits = out
         mm_into(out, x_c, w.t(), accumulate=False)

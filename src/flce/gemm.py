@@ -61,12 +61,16 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: 
 def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, padded: bool = False) -> torch.Tensor:
     """a @ b as a new (m, n) tensor of ``dtype``: contiguous, or with ``padded`` rows that start 128-byte
     aligned (``padded_rows``: a buffer the row kernels and other GEMMs read). Where ``mm_into`` would add
-    nothing to the plain GEMM (same dtype, K > 1, aligned extents, rows whole 128-byte lines or not ``padded``)
-    torch allocates the output itself, contiguous: one host call fewer on launch-bound steps."""
+    nothing to the plain GEMM (same dtype or float32 through ``out_dtype``, K > 1, aligned extents, rows whole
+    128-byte lines or not ``padded``) torch allocates the output itself, contiguous: one host call fewer on
+    launch-bound steps."""
     n = b.shape[1]
-    if (dtype == a.dtype and a.shape[1] != 1 and not (padded and padded_width(n, dtype.itemsize) != n)
+    if (a.shape[1] != 1 and not (padded and padded_width(n, dtype.itemsize) != n)
             and not any(_splits(a, b, unit_n=True))):
-        return torch.mm(a, b)
+        if dtype == a.dtype:
+            return torch.mm(a, b)
+        if dtype == torch.float32 and supports_out_dtype(a.device):
+            return torch.mm(a, b, out_dtype=dtype)
     if padded:
         out = padded_rows(a.shape[0], n, dtype, a.device)
     else:

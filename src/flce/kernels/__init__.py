@@ -95,6 +95,7 @@ def ce_chunk(
     counts: torch.Tensor | None = None,
     total: torch.Tensor | None = None,
     tile_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+    grad_out: torch.Tensor | None = None,
 ) -> None:
     """Cross-entropy of one chunk of logits, in place.
 
@@ -114,13 +115,17 @@ def ce_chunk(
             ``logits_triton.logits_with_tile_stats`` wrote with ``logits`` (triton only), which then hold
             what that GEMM stores: the logits / T less their tile max. The kernel takes each row's lse from
             them and reads the values once.
+        grad_out: None, or an (n, V) buffer, rows contiguous (in any float dtype, e.g. 16-bit beside float32
+            logits), that takes the gradient instead of the logits; the logits are scratch then. Not with
+            ``tile_stats``.
     """
     if backend == "triton":
         from .ce_triton import ce_chunk_triton
 
         assert logits.dtype != torch.float64, "float64 takes the torch twin (resolve_backend)"
         ce_chunk_triton(logits, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts, counts,
-                        total, tile_stats)
+                        total, tile_stats, grad_out=grad_out)
     else:
         assert tile_stats is None, "tile statistics come with the triton backend only"
-        ce_chunk_torch(logits, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts, counts, total)
+        ce_chunk_torch(logits, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts, counts, total,
+                       grad_out)

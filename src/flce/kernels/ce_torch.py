@@ -33,6 +33,7 @@ def ce_chunk_torch(
     opts: LossOptions,
     counts: torch.Tensor | None = None,
     total: torch.Tensor | None = None,
+    grad_out: torch.Tensor | None = None,
 ) -> None:
     """See ``kernels.ce_chunk`` for the contract. Outputs are written with ``copy_``, so they may be float64."""
     n, vocab = logits.shape
@@ -51,7 +52,8 @@ def ce_chunk_torch(
         end = min(start + rows, n)
         _block(logits[start:end], target[start:end], loss[start:end], lse[start:end],
                None if correct is None else correct[start:end], w, w_sum,
-               None if scale is None else scale[start:end], opts, acc)
+               None if scale is None else scale[start:end], opts, acc,
+               None if grad_out is None else grad_out[start:end])
     if counts is not None:  # the batch's mean, as the kernel finishes it
         counted, mean_scale = count_targets(target, opts.ignore_index, vocab, "torch")
         counts[:2] = counted
@@ -68,8 +70,10 @@ def _softmax(z: torch.Tensor, in_place: bool) -> torch.Tensor:
     return torch.softmax(z, 1)
 
 
-def _block(logits, target, loss, lse, correct, w, w_sum, scale, opts: LossOptions, acc: torch.dtype) -> None:
-    """One block of rows: loss, lse, correct and (``scale`` given) the gradient over ``logits``."""
+def _block(logits, target, loss, lse, correct, w, w_sum, scale, opts: LossOptions, acc: torch.dtype,
+           grad_out: torch.Tensor | None = None) -> None:
+    """One block of rows: loss, lse, correct and (``scale`` given) the gradient over ``logits``, or into
+    ``grad_out`` (then ``logits`` may be overwritten too)."""
     n, vocab = logits.shape
     eps, cap, inv_temp = opts.label_smoothing, opts.softcap, 1.0 / opts.temperature
     eps_v = eps / max(vocab, 1)  # V = 0: every valid row is NaN anyway (its target is out of range)
@@ -142,5 +146,6 @@ def _block(logits, target, loss, lse, correct, w, w_sum, scale, opts: LossOption
         e.masked_fill_(~valid[:, None], 0.0)
     else:  # the ignored rows only: a broadcast mask costs a pass as slow as exp over the whole block
         e.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)
-    if e is not logits:
-        logits.copy_(e)
+    out = logits if grad_out is None else grad_out
+    if e is not out:
+        out.copy_(e)

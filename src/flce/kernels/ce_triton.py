@@ -175,12 +175,13 @@ def _grad_block(z, slope, cols, mask, class_weight_ptr, y, lse, extra_coef, targ
 
 
 @triton.jit
-def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class, scale,
-                    keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+def _write_row_grad(row_ptr, out_row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class,
+                    scale, keep, inv_temp, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                     HAS_EXTRA: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
                     GROUPED: tl.constexpr = False):
-    """Pass 2: the gradient (``_grad_block``) written over the row (``GROUPED``: the padding's included, as in
-    ``_row_stats``). Backwards over V: the blocks pass 1 read last are likeliest still in L2."""
+    """Pass 2: the gradient (``_grad_block``) of the row at ``row_ptr`` written at ``out_row_ptr`` (over the row
+    itself, or into a narrower buffer; ``GROUPED``: the padding's included, as in ``_row_stats``). Backwards over V:
+    the blocks pass 1 read last are likeliest still in L2."""
     last = (V - 1) // BLOCK_V * BLOCK_V
     io_end = group_end(V) if GROUPED else V
     for back in range(0, V, BLOCK_V):
@@ -191,7 +192,7 @@ def _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coe
         z, slope = capped_slope(raw, inv_temp, softcap, HAS_SOFTCAP)
         g = _grad_block(z, slope, cols, mask, class_weight_ptr, y, lse, extra_coef, target_coef, smoothing_per_class,
                         scale, keep, HAS_WEIGHT, HAS_SMOOTHING, HAS_EXTRA, HAS_SOFTCAP)
-        tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=io_mask)
+        tl.store(out_row_ptr + cols, g.to(out_row_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -250,6 +251,8 @@ def _finish_mean(loss_ptr, counts_ptr, total_ptr, scale_ptr, n_rows, n_valid, n_
 def _ce_kernel(
     logits_ptr,
     stride_row,
+    grad_ptr,
+    grad_stride_row,
     target_ptr,
     class_weight_ptr,
     weight_sum_ptr,
@@ -341,9 +344,10 @@ def _ce_kernel(
                     smoothing / V, scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
                     HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, COMPUTE_ACC, TILE_N, True, BLOCK_V, VEC, GROUPED)
             else:
-                _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, (1.0 - smoothing) * w_y,
-                                smoothing / V, scale, valid, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING,
-                                HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, BLOCK_V, GROUPED)
+                _write_row_grad(row_ptr, row_start(grad_ptr, row, grad_stride_row, VEC, GROUPED), class_weight_ptr,
+                                V, y, lse, extra_coef, (1.0 - smoothing) * w_y, smoothing / V, scale, valid, inv_temp,
+                                softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SMOOTHING or HAS_Z_LOSS, HAS_SOFTCAP, BLOCK_V,
+                                GROUPED)
 
         loss = (1.0 - smoothing) * w_y * (lse - z_y)
         if HAS_SMOOTHING:
@@ -441,6 +445,7 @@ def ce_chunk_triton(
     total: torch.Tensor | None = None,
     tile_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: LaunchConfig | None = None,
+    grad_out: torch.Tensor | None = None,
 ) -> None:
     """Launch the kernel on one chunk (``config``: ``LAUNCH`` if None). See ``kernels.ce_chunk`` for the
     contract."""
@@ -448,7 +453,9 @@ def ce_chunk_triton(
     n, vocab = logits.shape
     if n == 0:
         return
-    assert logits.stride(1) == 1, "logits rows must be contiguous"
+    grad_out = logits if grad_out is None else grad_out
+    assert logits.stride(1) == 1 and grad_out.stride(1) == 1, "logits rows must be contiguous"
+    assert grad_out is logits or tile_stats is None, "the one-pass kernel writes over its logits"
     dummy = loss  # placeholder pointer for disabled features (never read)
     sms = _sm_count(logits.device.index)
     few_rows = n <= config.few_rows_per_sm * sms
@@ -459,6 +466,8 @@ def ce_chunk_triton(
     _ce_kernel[(programs,)](
         logits,
         logits.stride(0),
+        grad_out,
+        grad_out.stride(0),
         target,
         class_weight if class_weight is not None else dummy,
         weight_sum if weight_sum is not None else dummy,
@@ -487,7 +496,7 @@ def ce_chunk_triton(
         BLOCK_V=block_v,
         BLOCK_T=tile_block(tile_stats[0].shape[1] if tile_stats is not None else 0),
         VEC=vec,
-        GROUPED=whole_groups(logits, vec),
+        GROUPED=whole_groups(logits, vec) and (grad_out is logits or whole_groups(grad_out, vec)),
         num_warps=max(4, min(warps, block_v // 512)),
         **shift_args(tile_stats[0] if tile_stats is not None else None, vocab, dummy),
     )

@@ -105,8 +105,8 @@ def _shard_grad_kernel(
                              target_coef, smoothing_per_class, scale, scale != 0.0, inv_temp, softcap, HAS_WEIGHT,
                              HAS_SMOOTHING, True, HAS_SOFTCAP, False, TILE_N, True, BLOCK_V, VEC, GROUPED)
     else:
-        _write_row_grad(row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class, scale,
-                        scale != 0.0, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, True, HAS_SOFTCAP, BLOCK_V,
+        _write_row_grad(row_ptr, row_ptr, class_weight_ptr, V, y, lse, extra_coef, target_coef, smoothing_per_class,
+                        scale, scale != 0.0, inv_temp, softcap, HAS_WEIGHT, HAS_SMOOTHING, True, HAS_SOFTCAP, BLOCK_V,
                         GROUPED)
 
 
