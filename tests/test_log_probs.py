@@ -3,8 +3,8 @@ log_probs and entropy for random per-token grad_outputs, options, odd shapes, dt
 
 import pytest
 import torch
-from reference import (TOL, assert_close, count_172_case, errors_in_roundings, peaked_case, poisoned_padded_copy,
-                       reference_logits, rel_err)
+from reference import (TOL, assert_close, count_172_case, errors_in_roundings, logits_seen, peaked_case,
+                       poisoned_padded_copy, reference_logits, rel_err)
 
 import flce
 from conftest import DEVICE, HOPPER_DTYPE
@@ -483,7 +483,7 @@ def bf16_matches_float64(device, bt, hidden, vocab, opts, backend="auto"):
 
 @pytest.mark.parametrize("chunk_size", [None, 64])
 @pytest.mark.parametrize("case", ["masked mean", "entropy bonus", "temperature", "guessed in forward"])
-def test_masked_mean_stays_out_of_the_rounded_dlogits(backend, device, monkeypatch, chunk_size, case):
+def test_masked_mean_stays_out_of_the_rounded_dlogits(backend, device, monkeypatch, chunk_size, case, wide_logits):
     """-(log_probs * mask).sum() / mask.sum(), an SFT or GRPO token mean: every kept row's grad_output is
     -1 / 172. Folded into the 16-bit dlogits it read 1.84x the bf16 rounding in both gradients (eager and
     TRL's own kernel likewise); split per row, the residual meets grad_input's float32 product (1.0x) and
@@ -517,7 +517,7 @@ def test_masked_mean_stays_out_of_the_rounded_dlogits(backend, device, monkeypat
         grads = torch.autograd.grad(loss, (x, w))
     assert guesses == ([False, True] if guess else [])
     assert bool(scaled) != guess  # backward splits what it recomputes
-    z = (x @ w.t()).double().requires_grad_()  # the 16-bit logits both compute from
+    z = logits_seen(x, w, wide_logits and chunk_size is None).requires_grad_()  # the logits flce computes from
     ref = stats_of_logits(z / temperature, t)
     (dz,) = torch.autograd.grad((ref.log_probs * g_lp + ref.entropy * g_ent).sum(), z)
     exact = [dz @ w.double(), dz.t() @ x.double()]  # grad_input, grad_weight
@@ -559,6 +559,30 @@ def test_gpu_speculation_matches_recompute(monkeypatch):
     assert spy.take() == 3  # backward of the first step, then forward of each guessing step
     for got, want in zip(grads[2], grads[0]):  # guessed vs recomputed: bf16 roundings apart (2^-9)
         assert rel_err(got, want) <= 1e-2
+
+
+@pytest.mark.parametrize("opts", [{}, {"temperature": 0.8, "softcap": 30.0}], ids=["plain", "softcap"])
+def test_small_batch_peaked_logits(backend, device, wide_logits, opts):
+    """Logits of std 6 with targets drawn from their softmax at a small batch (one chunk below the fused GEMM's
+    rows: cuBLAS multiplies). Rounded to 16 bits, the logits put up to |z_y| / 256 into each log-prob (0.03-0.05 in
+    bf16 here) and 9-15x the rounding into the gradients; kept in float32 (as the loss's, ``function.wide_logits``)
+    the log-probs and the entropy are off by ~1e-6 and the gradients sit at the 16-bit dlogits' own rounding
+    (1.0-1.7x here)."""
+    dtype = torch.float16 if backend == "triton" and device.type == "cpu" else torch.bfloat16  # the interpreter
+    x, w, b, t = peaked_case(24, 32, 512, dtype, device, bias=True, temperature=opts.get("temperature", 1.0),
+                             softcap=opts.get("softcap"))  # truncates bf16 casts
+    g_lp, g_ent = torch.randn(2, 24, dtype=torch.float64, device=device)
+    got = flce.linear_log_probs(x, w, t, linear_bias=b, outputs=("log_probs", "entropy"), backend=backend, **opts)
+    grads = torch.autograd.grad((got.log_probs * g_lp.float() + got.entropy * g_ent.float()).sum(), (x, w, b))
+    want, leaves, _ = reference_stats(x, w, t, b, **opts)
+    exact = torch.autograd.grad((want.log_probs * g_lp + want.entropy * g_ent).sum(), leaves)
+    lp_err = (got.log_probs.double() - want.log_probs).abs().max().item()
+    errors = errors_in_roundings(grads, exact, dtype)
+    if wide_logits:
+        assert lp_err <= 1e-4 and (got.entropy.double() - want.entropy).abs().max() <= 1e-4
+        assert max(errors) <= 2.0, errors
+    else:  # what the float32 logits mend: the case is one where 16-bit logits show
+        assert lp_err >= 2 * torch.finfo(dtype).eps and max(errors) >= 3, (lp_err, errors)
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0])

@@ -249,13 +249,11 @@ def chunk_loop(
                 continue
         logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend, wide=True)
         parts.exact_lse &= tile_stats is not None
-        dl = logits
-        if grad and logits.dtype != compute_dtype:  # float32 logits (``wide_logits``): 16-bit dlogits apart
-            dl = _logits_buffer(logits.shape, compute_dtype, backend, dev)
+        dl = dlogits_buffer(logits, compute_dtype, backend) if grad else logits
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
                  _take(parts.correct, rows), class_weight, weight_sum,
                  _take(ce_scale, rows) if row_scale else ce_scale, opts, counts, parts.total, tile_stats,
-                 grad_out=None if dl is logits else dl)
+                 grad_out=dl)
         if defer:
             return parts, PendingGrads(dlogits=dl, x=x_c, w=w, scale=pending_scale)
         gradient_gemms(dl, x_c, w, grads, rows, accumulate=i > 0, backend=backend,
@@ -388,9 +386,14 @@ def wide_logits(x_c: torch.Tensor, out: torch.Tensor | None) -> bool:
             and supports_out_dtype(x_c.device))
 
 
-def _logits_buffer(shape: torch.Size, dtype: torch.dtype, backend: str, device: torch.device) -> torch.Tensor:
-    """A new (n, V) buffer laid out as a single chunk's logits: rows 128-byte aligned for the row kernels."""
-    return padded_rows(*shape, dtype, device) if backend == "triton" else torch.empty(shape, dtype=dtype, device=device)
+def dlogits_buffer(logits: torch.Tensor, dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """Where a chunk's ``dtype`` dlogits go: over its logits, or beside float32 logits (``wide_logits``) into a new
+    (n, V) buffer laid out as a single chunk's logits (rows 128-byte aligned for the row kernels)."""
+    if logits.dtype == dtype:
+        return logits
+    if backend == "triton":
+        return padded_rows(*logits.shape, dtype, logits.device)
+    return torch.empty(logits.shape, dtype=dtype, device=logits.device)
 
 
 def chunk_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,

@@ -26,7 +26,7 @@ from torch.autograd.function import once_differentiable
 from . import loss_only
 from .checks import check_tensors, compute_dtype, raise_bad_targets
 from .distributed import is_dtensor
-from .function import ChunkGrads, chunk_logits, gradient_gemms, scale_grads, split_scale
+from .function import ChunkGrads, chunk_logits, dlogits_buffer, gradient_gemms, scale_grads, split_scale
 from .gemm import padded_rows
 from .import_hooks import compile_disabled
 from .kernels import resolve_backend
@@ -255,15 +255,17 @@ def chunk_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         rows = slice(start, end)
         x_c = _in_dtype(x[rows], spec.compute_dtype)
         # On Hopper the logits less their tile max (the loss's GEMM: far less rounding where p is not small)
+        # float32 logits for a small single chunk (``function.wide_logits``), as the loss's
         logits, tile_stats = chunk_logits(x_c, w, bias, None if buffer is None else buffer[:end - start], opts,
-                                          spec.backend, sums=False)  # the token kernels make their own sums
+                                          spec.backend, sums=False, wide=True)  # the token kernels make their own sums
         tile_max = None if tile_stats is None else tile_stats[0]
         if stats is not None:
             kernels.row_stats(spec.backend, logits, target[rows], stats.rows(start, end), spec.tf, tile_max)
         if grad is not None:
+            dl = dlogits_buffer(logits, spec.compute_dtype, spec.backend)
             kernels.row_grad(spec.backend, logits, target[rows], *(None if t is None else t[rows] for t in grad),
-                             spec.tf, tile_max)
-            gradient_gemms(logits, x_c, w, grads, rows, accumulate=i > 0, backend=spec.backend,
+                             spec.tf, tile_max, grad_out=dl)
+            gradient_gemms(dl, x_c, w, grads, rows, accumulate=i > 0, backend=spec.backend,
                            row_scale=None if residual is None else residual[rows], single=plan.num_chunks == 1)
     return grads
 

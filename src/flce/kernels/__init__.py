@@ -115,10 +115,11 @@ def ce_chunk(
             ``logits_triton.logits_with_tile_stats`` wrote with ``logits`` (triton only), which then hold
             what that GEMM stores: the logits / T less their tile max. The kernel takes each row's lse from
             them and reads the values once.
-        grad_out: None, or an (n, V) buffer, rows contiguous (in any float dtype, e.g. 16-bit beside float32
-            logits), that takes the gradient instead of the logits; the logits are scratch then. Not with
-            ``tile_stats``.
+        grad_out: None (or ``logits``), or an (n, V) buffer, rows contiguous (in any float dtype, e.g. 16-bit
+            beside float32 logits), that takes the gradient instead of the logits; the logits are scratch then.
+            Not with ``tile_stats``.
     """
+    grad_out = None if grad_out is logits else grad_out
     if backend == "triton":
         from .ce_triton import ce_chunk_triton
 

@@ -61,8 +61,10 @@ def row_stats(backend: str, logits: torch.Tensor, target: torch.Tensor, out: Row
 
 def row_grad(backend: str, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
              entropy: torch.Tensor | None, grad_log_probs: torch.Tensor | None,
-             grad_entropy: torch.Tensor | None, tf: Transform, tile_max: torch.Tensor | None = None) -> None:
-    """Overwrite ``logits`` (n, V) with d(sum_rows g_lp * log_probs + g_ent * entropy) / d logits.
+             grad_entropy: torch.Tensor | None, tf: Transform, tile_max: torch.Tensor | None = None,
+             grad_out: torch.Tensor | None = None) -> None:
+    """Overwrite ``logits`` (n, V) with d(sum_rows g_lp * log_probs + g_ent * entropy) / d logits, or write that
+    into ``grad_out`` (n, V), rows contiguous, e.g. 16-bit beside float32 logits (``kernels.ce_chunk``'s).
 
     lse, entropy: forward's (n,) float32 (entropy only with ``grad_entropy``); grad_log_probs,
     grad_entropy: (n,) float32 per-row grad_outputs, or None (no gradient from that output). In z:
@@ -72,9 +74,9 @@ def row_grad(backend: str, logits: torch.Tensor, target: torch.Tensor, lse: torc
     if backend == "triton":
         from .token_stats_triton import row_grad_triton
 
-        row_grad_triton(logits, target, lse, entropy, grad_log_probs, grad_entropy, tf, tile_max)
+        row_grad_triton(logits, target, lse, entropy, grad_log_probs, grad_entropy, tf, tile_max, grad_out)
     else:
         assert tile_max is None, "shifted logits come with the triton backend only"
         from .token_stats_torch import row_grad_torch
 
-        row_grad_torch(logits, target, lse, entropy, grad_log_probs, grad_entropy, tf)
+        row_grad_torch(logits, target, lse, entropy, grad_log_probs, grad_entropy, tf, grad_out)

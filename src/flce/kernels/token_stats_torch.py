@@ -43,7 +43,8 @@ def row_stats_torch(logits: torch.Tensor, target: torch.Tensor, out: RowStats, t
 
 
 def row_grad_torch(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
-                   grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, tf: Transform) -> None:
+                   grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, tf: Transform,
+                   grad_out: torch.Tensor | None = None) -> None:
     """See ``kernels.token_stats.row_grad``."""
     n, vocab = logits.shape
     if n == 0:
@@ -61,4 +62,4 @@ def row_grad_torch(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor
     if dz_dr is not None:
         g *= dz_dr
     g = g * tf.inv_temp + poison[:, None]
-    logits.copy_(torch.where(valid[:, None], g, 0.0))
+    (logits if grad_out is None else grad_out).copy_(torch.where(valid[:, None], g, 0.0))

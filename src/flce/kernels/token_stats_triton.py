@@ -97,13 +97,14 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
 
 
 @triton.jit
-def _grad_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, tile_max_ptr, n_tiles,
-                 n_rows, V, ignore_index, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr, HAS_LP_GRAD: tl.constexpr,
-                 HAS_ENT_GRAD: tl.constexpr, SHIFTED: tl.constexpr, TILE_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                 VEC: tl.constexpr, GROUPED: tl.constexpr):
+def _grad_kernel(logits_ptr, stride_row, grad_ptr, grad_stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_ptr,
+                 g_ent_ptr, tile_max_ptr, n_tiles, n_rows, V, ignore_index, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr,
+                 HAS_LP_GRAD: tl.constexpr, HAS_ENT_GRAD: tl.constexpr, SHIFTED: tl.constexpr, TILE_N: tl.constexpr,
+                 BLOCK_V: tl.constexpr, VEC: tl.constexpr, GROUPED: tl.constexpr):
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
         row_ptr = row_start(logits_ptr, row, stride_row, VEC, GROUPED)
+        out_row_ptr = row_start(grad_ptr, row, grad_stride_row, VEC, GROUPED)  # the row itself, or another buffer's
         tile_max_row = tile_max_ptr + row * n_tiles
         valid, poison, y = _target(target_ptr, row, V, ignore_index)
         lse = tl.load(lse_ptr + row)
@@ -131,7 +132,7 @@ def _grad_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_
             if HAS_SOFTCAP:
                 g = g * slope
             g = tl.where(valid, g * inv_temp + poison, 0.0)
-            tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=io_mask)
+            tl.store(out_row_ptr + cols, g.to(grad_ptr.dtype.element_ty), mask=io_mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,15 +174,17 @@ def row_stats_triton(logits: torch.Tensor, target: torch.Tensor, out: RowStats, 
 
 def row_grad_triton(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
                     grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, tf: Transform,
-                    tile_max: torch.Tensor | None = None) -> None:
+                    tile_max: torch.Tensor | None = None, grad_out: torch.Tensor | None = None) -> None:
     """See ``kernels.token_stats.row_grad``."""
     n, vocab = logits.shape
     if n == 0:
         return
-    assert logits.stride(1) == 1 and vocab >= 1, "rows must be contiguous and non-empty"
+    grad_out = logits if grad_out is None else grad_out
+    assert logits.stride(1) == 1 and grad_out.stride(1) == 1 and vocab >= 1, "rows must be contiguous and non-empty"
     grid, launch = _launch(logits)
+    launch["GROUPED"] &= grad_out is logits or whole_groups(grad_out, launch["VEC"])
     _grad_kernel[grid](
-        logits, logits.stride(0), target, lse, *(lse if t is None else t for t in (
+        logits, logits.stride(0), grad_out, grad_out.stride(0), target, lse, *(lse if t is None else t for t in (
             entropy, grad_log_probs, grad_entropy)),
         n_rows=n, V=vocab, ignore_index=tf.ignore_index, inv_temp=tf.inv_temp, softcap=float(tf.softcap or 1.0),
         HAS_SOFTCAP=tf.softcap is not None, HAS_LP_GRAD=grad_log_probs is not None,
