@@ -98,9 +98,10 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
 
 @triton.jit
 def _grad_kernel(logits_ptr, stride_row, grad_ptr, grad_stride_row, target_ptr, lse_ptr, entropy_ptr, g_lp_ptr,
-                 g_ent_ptr, tile_max_ptr, n_tiles, n_rows, V, ignore_index, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr,
-                 HAS_LP_GRAD: tl.constexpr, HAS_ENT_GRAD: tl.constexpr, SHIFTED: tl.constexpr, TILE_N: tl.constexpr,
-                 BLOCK_V: tl.constexpr, VEC: tl.constexpr, GROUPED: tl.constexpr):
+                 g_ent_ptr, tile_max_ptr, n_tiles, n_rows, V, ignore_index, inv_temp, softcap,
+                 HAS_SOFTCAP: tl.constexpr, HAS_LP_GRAD: tl.constexpr, HAS_ENT_GRAD: tl.constexpr,
+                 SHIFTED: tl.constexpr, TILE_N: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
+                 GROUPED: tl.constexpr):
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
         row_ptr = row_start(logits_ptr, row, stride_row, VEC, GROUPED)
