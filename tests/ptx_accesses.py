@@ -44,9 +44,10 @@ def cases() -> dict[str, dict[str, int]]:
     """Each row kernel (the CE kernel, the token statistics', the vocab-parallel stages), in whole groups or not, on
     plain or tile-shifted logits (the Hopper GEMM's)."""
     ce = dict(HAS_WEIGHT=False, HAS_SMOOTHING=False, HAS_Z_LOSS=False, HAS_SOFTCAP=False, COMPUTE_GRAD=True,
-              SCALE_PER_ROW=False, COMPUTE_ACC=False, MEAN_BY_COUNT=False, BLOCK_V=8192, BLOCK_T=16, VEC=8)
+              SCALE_PER_ROW=False, COMPUTE_ACC=False, MEAN_BY_COUNT=False, EXACT_Y=False, HAS_BIAS=False, BLOCK_H=1024,
+              BLOCK_V=8192, BLOCK_T=16, VEC=8)
     stats = dict(HAS_SOFTCAP=False, HAS_LOG_PROBS=True, HAS_ENTROPY=True, HAS_SUM_SQ=True, HAS_MEAN=True,
-                 HAS_TOP1=True, BLOCK_V=8192, VEC=8)
+                 HAS_TOP1=True, EXACT_Y=False, HAS_BIAS=False, BLOCK_H=1024, BLOCK_V=8192, VEC=8)  # the logits' reads
     grad = dict(HAS_SOFTCAP=False, HAS_LP_GRAD=True, HAS_ENT_GRAD=True, BLOCK_V=8192, VEC=8)
     shard = dict(HAS_WEIGHT=False, HAS_SMOOTHING=True, HAS_SOFTCAP=False, BLOCK_V=4096, VEC=8)  # smoothing: a read
     kernels = {"ce": (ce_triton._ce_kernel, ce), "stats": (token_stats_triton._stats_kernel, stats),

@@ -244,6 +244,23 @@ def test_peaked_logits_keep_the_gradients_at_the_rounding(fused, chunk_size, opt
     assert max(errors_in_roundings(got, exact, HOPPER_DTYPE)) <= 2.5
 
 
+@pytest.mark.parametrize("chunk_size", [None, 32])
+@pytest.mark.parametrize("opts", [dict(), dict(temperature=0.7, label_smoothing=0.1, bias=True), dict(softcap=30.0)])
+def test_peaked_logits_row_losses_from_a_dot_at_the_target(fused, chunk_size, opts):
+    """The loss at logits of std 6, summed over rows (with gradients: the CE kernel on the GEMM's shifted values):
+    each row's logit at its target is a float32 dot of the GEMM's operands, not the stored value, which a tile max
+    leaves off by up to |z_y - tile max| ulps of 1 in 16 bits."""
+    opts = dict(opts)
+    x, w, b, target = peaked_case(96, 32, 512, HOPPER_DTYPE, DEVICE, opts.pop("bias", False),
+                                  opts.get("temperature", 1.0), softcap=opts.get("softcap"))
+    want, _ = reference_loss(x, w, target, linear_bias=b, reduction="sum", **opts)
+    got = flce.linear_cross_entropy(x, w, target, linear_bias=b, chunk_size=chunk_size, reduction="sum",
+                                    backend="triton", **opts)
+    assert len(fused) == (3 if chunk_size else 1)
+    # 1.0-2.0e-4 here (in 134-334 nats); 0.96-3.0e-3 from each target's stored value
+    assert (got.double() - want).abs() <= 0.5 * torch.finfo(HOPPER_DTYPE).eps
+
+
 def test_tile_maxima_alone(fused):
     """Without tile_sum (``linear_log_probs`` reads the maxima alone) the GEMM stores the same values and maxima."""
     x = torch.randn(70, 48, device=DEVICE).half()

@@ -3,8 +3,9 @@ targets drawn from the softmax), on each path of the fused loss, beside eager Py
 cross-entropy). A bf16 logit is off by up to |z| / 256, which every method that stores bf16 logits carries into
 its gradients. Prints each gradient's relative error as a multiple of the bf16 rounding of the exact gradient.
 With a softcap (Gemma 2's 30) the targets are still drawn from the uncapped softmax, and eager caps the float32
-logits. GPU only; run it once per tree to compare two (the argument picks cases by their rows or a word of
-their label):
+logits. Beside them, the largest error of a token's log-probability (nats) from ``flce.linear_log_probs`` and from
+eager's log_softmax of the bf16 logits (cases without label smoothing). GPU only; run it once per tree to compare
+two (the argument picks cases by their rows or a word of their label):
 
     PYTHONPATH=src:benchmark python benchmark/probes/peaked_logits_precision_probe.py [rows|word,...]
 """
@@ -55,6 +56,32 @@ def reference(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, label_smoothing
     return gx / x.shape[0], gw / x.shape[0]
 
 
+def exact_log_probs(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, softcap: float | None = None,
+                    rows: int = 1024) -> torch.Tensor:
+    """log softmax(z)[t] per row in float64, z = x @ w^T (softcapped), chunk by chunk."""
+    w64, out = w.double(), []
+    for s in range(0, x.shape[0], rows):
+        z = x[s:s + rows].double() @ w64.t()
+        z = z if softcap is None else softcap * torch.tanh(z / softcap)
+        out.append(z.gather(1, t[s:s + rows, None])[:, 0] - torch.logsumexp(z, 1))
+    return torch.cat(out)
+
+
+def log_prob_errors(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, kw: dict) -> str:
+    """'flce / eager' largest log-prob errors against float64 (eager's '-' past EAGER_MAX_ROWS), or '-'."""
+    if kw.get("label_smoothing"):
+        return "-"
+    exact = exact_log_probs(x, w, t, kw.get("softcap"))
+    got = flce.linear_log_probs(x, w, t, softcap=kw.get("softcap")).log_probs
+    cells = [f"{(got.double() - exact).abs().max().item():.2g}"]
+    if x.shape[0] <= EAGER_MAX_ROWS:
+        z = (x @ w.t()).float()
+        z = z if kw.get("softcap") is None else kw["softcap"] * torch.tanh(z / kw["softcap"])
+        eager_lp = torch.log_softmax(z, 1).gather(1, t[:, None])[:, 0]
+        cells.append(f"{(eager_lp.double() - exact).abs().max().item():.2g}")
+    return " / ".join(cells + ["-"] * (2 - len(cells)))
+
+
 def eager(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, label_smoothing: float = 0.0,
           softcap: float | None = None) -> torch.Tensor:
     z = (x @ w.t()).float()
@@ -70,8 +97,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     only = sys.argv[1].split(",") if len(sys.argv) > 1 else None  # rows to run
     print(torch.cuda.get_device_name(), "flce from", flce.__file__)
-    print("| case | logit std | flce grad_input / grad_weight, x rounding | eager |")
-    print("|---|---|---|---|")
+    print("| case | logit std | flce grad_input / grad_weight, x rounding | eager | log-prob error, flce / eager |")
+    print("|---|---|---|---|---|")
     gen = torch.Generator(device="cuda").manual_seed(0)
     min_rows = exp_logits.MIN_ROWS
     for label, n, kw, exp_path in CASES:
@@ -94,7 +121,8 @@ def main() -> None:
                 cells.append(" / ".join(f"{rel(g, e) / r:.3f}" for g, e, r in zip(got, exact, rounding)))
                 del got, leaves
             exp_logits.MIN_ROWS = min_rows
-            print(f"| {label} | {std:g} | {' | '.join(cells)}{' | -' if len(cells) == 1 else ''} |", flush=True)
+            lp = log_prob_errors(x, w, t, kw)
+            print(f"| {label} | {std:g} | {' | '.join(cells)}{' | -' if len(cells) == 1 else ''} | {lp} |", flush=True)
             del x, w, t, exact
             torch.cuda.empty_cache()
 

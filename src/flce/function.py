@@ -253,7 +253,7 @@ def chunk_loop(
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
                  _take(parts.correct, rows), class_weight, weight_sum,
                  _take(ce_scale, rows) if row_scale else ce_scale, opts, counts, parts.total, tile_stats,
-                 grad_out=dl)
+                 grad_out=dl, operands=None if tile_stats is None else (x_c, w, bias))
         if defer:
             return parts, PendingGrads(dlogits=dl, x=x_c, w=w, scale=pending_scale)
         gradient_gemms(dl, x_c, w, grads, rows, accumulate=i > 0, backend=backend,

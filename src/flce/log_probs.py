@@ -259,8 +259,9 @@ def chunk_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         logits, tile_stats = chunk_logits(x_c, w, bias, None if buffer is None else buffer[:end - start], opts,
                                           spec.backend, sums=False, wide=True)  # the token kernels make their own sums
         tile_max = None if tile_stats is None else tile_stats[0]
-        if stats is not None:
-            kernels.row_stats(spec.backend, logits, target[rows], stats.rows(start, end), spec.tf, tile_max)
+        if stats is not None:  # shifted logits: each target's logit from a float32 dot, not its stored 16 bits
+            kernels.row_stats(spec.backend, logits, target[rows], stats.rows(start, end), spec.tf, tile_max,
+                              None if tile_max is None else (x_c, w, bias))
         if grad is not None:
             dl = dlogits_buffer(logits, spec.compute_dtype, spec.backend)
             kernels.row_grad(spec.backend, logits, target[rows], *(None if t is None else t[rows] for t in grad),

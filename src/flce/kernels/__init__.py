@@ -96,6 +96,7 @@ def ce_chunk(
     total: torch.Tensor | None = None,
     tile_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
     grad_out: torch.Tensor | None = None,
+    operands: tuple | None = None,
 ) -> None:
     """Cross-entropy of one chunk of logits, in place.
 
@@ -118,6 +119,9 @@ def ce_chunk(
         grad_out: None (or ``logits``), or an (n, V) buffer, rows contiguous (in any float dtype, e.g. 16-bit
             beside float32 logits), that takes the gradient instead of the logits; the logits are scratch then.
             Not with ``tile_stats``.
+        operands: None, or with ``tile_stats`` the GEMM's (x (n, H), W (V, H), bias (V,) or None), unit-stride
+            rows: each row's logit at its target then comes from a float32 dot of them, not from its stored value
+            (which a tile max can leave off by |z_y - tile max| / 256 in 16 bits).
     """
     grad_out = None if grad_out is logits else grad_out
     if backend == "triton":
@@ -125,8 +129,8 @@ def ce_chunk(
 
         assert logits.dtype != torch.float64, "float64 takes the torch twin (resolve_backend)"
         ce_chunk_triton(logits, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts, counts,
-                        total, tile_stats, grad_out=grad_out)
+                        total, tile_stats, grad_out=grad_out, operands=operands)
     else:
-        assert tile_stats is None, "tile statistics come with the triton backend only"
+        assert tile_stats is None and operands is None, "tile statistics come with the triton backend only"
         ce_chunk_torch(logits, target, loss, lse, correct, class_weight, weight_sum, grad_scale, opts, counts, total,
                        grad_out)

@@ -81,6 +81,21 @@ def load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP: tl.const
 
 
 @triton.jit
+def target_dot(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, row, y, H, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A row's logit at column ``y`` before temperature and softcap, x[row] . W[y] (+ b[y]), as a float32 dot of the
+    16-bit operands: unrounded, where a stored logit carries its 16-bit rounding."""
+    dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        xr = tl.load(x_ptr + row * stride_x + h, mask=h < H, other=0.0).to(tl.float32)
+        dot += xr * tl.load(w_ptr + y * stride_w + h, mask=h < H, other=0.0).to(tl.float32)
+    r_y = tl.sum(dot, 0)
+    if HAS_BIAS:
+        r_y += tl.load(bias_ptr + y).to(tl.float32)
+    return r_y
+
+
+@triton.jit
 def row_start(logits_ptr, row, stride_row, VEC: tl.constexpr, GROUPED: tl.constexpr):
     """The address of a row. ``GROUPED`` (``whole_groups``): the stride is a multiple of VEC, written so that the
     compiler knows it, and so that every row starts 16-byte aligned."""
@@ -265,6 +280,12 @@ def _ce_kernel(
     tile_max_ptr,
     tile_sum_ptr,
     n_tiles,
+    x_ptr,
+    stride_x,
+    w_ptr,
+    stride_w,
+    bias_ptr,
+    H,
     n_rows,
     V,
     ignore_index,
@@ -282,6 +303,9 @@ def _ce_kernel(
     MEAN_BY_COUNT: tl.constexpr,
     SHIFTED: tl.constexpr,
     TILE_N: tl.constexpr,
+    EXACT_Y: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr,
     VEC: tl.constexpr,
@@ -304,7 +328,11 @@ def _ce_kernel(
         y = tl.minimum(tl.maximum(y, 0), V - 1)  # safe index for ignored (or unchecked) targets
 
         tile_max_row = tile_max_ptr + row * n_tiles  # (T,) when SHIFTED
-        z_y = load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP, SHIFTED, TILE_N)  # before pass 2
+        if EXACT_Y:  # from the GEMM's operands: a stored value carries its rounding (|z - tile max| / 256)
+            z_y = capped(target_dot(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, row, y, H, HAS_BIAS, BLOCK_H),
+                         inv_temp, softcap, HAS_SOFTCAP)
+        else:
+            z_y = load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP, SHIFTED, TILE_N)  # before pass 2
         if HAS_WEIGHT:
             w_y = tl.load(class_weight_ptr + y).to(tl.float32)
             w_sum = tl.load(weight_sum_ptr).to(tl.float32)
@@ -446,6 +474,7 @@ def ce_chunk_triton(
     tile_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: LaunchConfig | None = None,
     grad_out: torch.Tensor | None = None,
+    operands: tuple | None = None,
 ) -> None:
     """Launch the kernel on one chunk (``config``: ``LAUNCH`` if None). See ``kernels.ce_chunk`` for the
     contract."""
@@ -463,6 +492,8 @@ def ce_chunk_triton(
     warps = config.few_rows_warps if few_rows else config.num_warps
     programs = min(n, config.programs_per_sm * sms)
     vec = min(8, block_v)  # the one pass's columns per row of its 2-D block: one 16-byte load of 16-bit values
+    x, w, bias = operands if operands is not None else (dummy[:, None], dummy[:, None], None)
+    assert operands is None or (x.stride(1) == 1 and w.stride(1) == 1), "the operands' rows must be contiguous"
     _ce_kernel[(programs,)](
         logits,
         logits.stride(0),
@@ -478,6 +509,15 @@ def ce_chunk_triton(
         counts if counts is not None else dummy,
         total if total is not None else dummy,
         tile_sum_ptr=tile_stats[1] if tile_stats is not None else dummy,
+        x_ptr=x,
+        stride_x=x.stride(0),
+        w_ptr=w,
+        stride_w=w.stride(0),
+        bias_ptr=dummy if bias is None else bias,
+        H=x.shape[1],
+        EXACT_Y=operands is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_H=min(1024, triton.next_power_of_2(x.shape[1])),
         n_rows=n,
         V=vocab,
         ignore_index=opts.ignore_index,

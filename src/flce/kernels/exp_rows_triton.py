@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..options import LossOptions
-from .ce_triton import _finish_mean, _sm_count, _tile_stats_lse, tile_block
+from .ce_triton import _finish_mean, _sm_count, _tile_stats_lse, target_dot, tile_block
 from .logits_triton import EXP_LOW
 from .softcap_triton import capped
 
@@ -59,15 +59,8 @@ def _row_loss(row, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, target_ptr, class
     y = tl.minimum(tl.maximum(y, 0), V - 1)
     lse = _tile_stats_lse(tile_max_ptr + row * n_tiles, tile_sum_ptr + row * n_tiles, n_tiles, softcap, HAS_SOFTCAP,
                           BLOCK_T)
-    dot = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        xr = tl.load(x_ptr + row * stride_x + h, mask=h < H, other=0.0).to(tl.float32)
-        dot += xr * tl.load(w_ptr + y * stride_w + h, mask=h < H, other=0.0).to(tl.float32)
-    z_y = tl.sum(dot, 0)
-    if HAS_BIAS:
-        z_y += tl.load(bias_ptr + y).to(tl.float32)
-    z_y = capped(z_y, inv_temp, softcap, HAS_SOFTCAP)
+    z_y = capped(target_dot(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, row, y, H, HAS_BIAS, BLOCK_H), inv_temp,
+                 softcap, HAS_SOFTCAP)
     w_y = tl.load(class_weight_ptr + y).to(tl.float32) if HAS_WEIGHT else 1.0
     loss = w_y * (lse - z_y)
     if HAS_SMOOTHING:

@@ -44,16 +44,18 @@ class Transform(NamedTuple):
 
 
 def row_stats(backend: str, logits: torch.Tensor, target: torch.Tensor, out: RowStats, tf: Transform,
-              tile_max: torch.Tensor | None = None) -> None:
+              tile_max: torch.Tensor | None = None, operands: tuple | None = None) -> None:
     """Write ``out``'s fields for each row of ``logits`` (n, V) (rows contiguous, V >= 1), reading it once.
     target: (n,) int64. ``tile_max``: None, or (n, T) float32 (triton only) when ``logits`` hold what the
-    Hopper logits GEMM stores: the logits / T less the max of its tile (``logits_triton.logits_with_tile_stats``)."""
+    Hopper logits GEMM stores: the logits / T less the max of its tile (``logits_triton.logits_with_tile_stats``).
+    ``operands``: None, or the GEMM's (x (n, H), W (V, H), bias (V,) or None), unit-stride rows (triton only):
+    then each row's logit at its target comes from a float32 dot of them, not from its 16-bit stored value."""
     if backend == "triton":
         from .token_stats_triton import row_stats_triton
 
-        row_stats_triton(logits, target, out, tf, tile_max)
+        row_stats_triton(logits, target, out, tf, tile_max, operands)
     else:
-        assert tile_max is None, "shifted logits come with the triton backend only"
+        assert tile_max is None and operands is None, "shifted logits come with the triton backend only"
         from .token_stats_torch import row_stats_torch
 
         row_stats_torch(logits, target, out, tf)

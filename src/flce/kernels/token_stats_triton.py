@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .ce_triton import block_cols, load_z, load_z_at, row_start, shift_args, whole_groups
+from .ce_triton import block_cols, load_z, load_z_at, row_start, shift_args, target_dot, whole_groups
+from .softcap_triton import capped
 from .token_stats import RowStats, Transform
 
 # Vocabulary columns per step, rows per SM in the grid, warps (the CE kernel's tuned defaults).
@@ -37,10 +38,11 @@ def _target(target_ptr, row, V, ignore_index):
 
 @triton.jit
 def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, entropy_ptr, sum_sq_ptr, mean_ptr,
-                  top1_ptr, tile_max_ptr, n_tiles, n_rows, V, ignore_index, inv_temp, softcap,
-                  HAS_SOFTCAP: tl.constexpr, HAS_LOG_PROBS: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-                  HAS_SUM_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr, SHIFTED: tl.constexpr,
-                  TILE_N: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, GROUPED: tl.constexpr):
+                  top1_ptr, tile_max_ptr, n_tiles, x_ptr, stride_x, w_ptr, stride_w, bias_ptr, n_rows, V, H,
+                  ignore_index, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr, HAS_LOG_PROBS: tl.constexpr,
+                  HAS_ENTROPY: tl.constexpr, HAS_SUM_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
+                  SHIFTED: tl.constexpr, TILE_N: tl.constexpr, EXACT_Y: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, GROUPED: tl.constexpr):
     for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row_i, tl.int64)
         row_ptr = row_start(logits_ptr, row, stride_row, VEC, GROUPED)
@@ -84,7 +86,11 @@ def _stats_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, log_probs_ptr, en
         lse = m + log_s
         tl.store(lse_ptr + row, tl.where(valid, lse + poison, 0.0))
         if HAS_LOG_PROBS:
-            z_y = load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP, SHIFTED, TILE_N)
+            if EXACT_Y:  # from the GEMM's operands: the stored value carries its rounding (|z - tile max| / 256)
+                z_y = capped(target_dot(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, row, y, H, HAS_BIAS, BLOCK_H),
+                             inv_temp, softcap, HAS_SOFTCAP)
+            else:
+                z_y = load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP, SHIFTED, TILE_N)
             tl.store(log_probs_ptr + row, tl.where(valid, z_y - lse + poison, 0.0))
         if HAS_ENTROPY:
             tl.store(entropy_ptr + row, tl.where(valid, log_s - a / s + poison, 0.0))
@@ -154,7 +160,7 @@ def _launch(logits: torch.Tensor) -> tuple[tuple[int], dict]:
 
 
 def row_stats_triton(logits: torch.Tensor, target: torch.Tensor, out: RowStats, tf: Transform,
-                     tile_max: torch.Tensor | None = None) -> None:
+                     tile_max: torch.Tensor | None = None, operands: tuple | None = None) -> None:
     """See ``kernels.token_stats.row_stats``."""
     n, vocab = logits.shape
     if n == 0:
@@ -163,9 +169,14 @@ def row_stats_triton(logits: torch.Tensor, target: torch.Tensor, out: RowStats, 
     grid, launch = _launch(logits)
     top1 = out.is_top1.view(torch.int8) if out.is_top1 is not None else None
     dummy = out.lse
+    x, w, bias = operands if operands is not None else (dummy[:, None], dummy[:, None], None)
+    exact_y = operands is not None and out.log_probs is not None
+    assert not exact_y or (x.stride(1) == 1 and w.stride(1) == 1), "the operands' rows must be contiguous"
     _stats_kernel[grid](
         logits, logits.stride(0), target, out.lse, *(dummy if t is None else t for t in (
             out.log_probs, out.entropy, out.log_sum_sq_probs, out.mean_logits, top1)),
+        x_ptr=x, stride_x=x.stride(0), w_ptr=w, stride_w=w.stride(0), bias_ptr=dummy if bias is None else bias,
+        H=x.shape[1], EXACT_Y=exact_y, HAS_BIAS=bias is not None, BLOCK_H=min(1024, triton.next_power_of_2(x.shape[1])),
         n_rows=n, V=vocab, ignore_index=tf.ignore_index, inv_temp=tf.inv_temp, softcap=float(tf.softcap or 1.0),
         HAS_SOFTCAP=tf.softcap is not None, HAS_LOG_PROBS=out.log_probs is not None,
         HAS_ENTROPY=out.entropy is not None, HAS_SUM_SQ=out.log_sum_sq_probs is not None,
