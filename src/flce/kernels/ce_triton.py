@@ -429,6 +429,16 @@ def shift_args(tile_max: torch.Tensor | None, vocab: int, dummy: torch.Tensor) -
                 TILE_N=tile_width(vocab, tile_max.shape[1]))
 
 
+def target_dot_args(operands: tuple | None, dummy: torch.Tensor, exact: bool = True) -> dict:
+    """A row kernel's arguments for ``target_dot`` (its ``EXACT_Y``): the logits GEMM's operands (x (n, H), W (V, H),
+    bias (V,) or None), unit-stride rows, or None (then none is read; nor without ``exact``)."""
+    x, w, bias = operands if operands is not None else (dummy[:, None], dummy[:, None], None)
+    assert operands is None or (x.stride(1) == 1 and w.stride(1) == 1), "the operands' rows must be contiguous"
+    return dict(x_ptr=x, stride_x=x.stride(0), w_ptr=w, stride_w=w.stride(0), bias_ptr=dummy if bias is None else bias,
+                H=x.shape[1], EXACT_Y=exact and operands is not None, HAS_BIAS=bias is not None,
+                BLOCK_H=min(1024, triton.next_power_of_2(x.shape[1])))
+
+
 def tile_block(n_tiles: int) -> int:
     """Tile partials of a row that ``tile_stats_max_sum`` combines per step (its BLOCK_T)."""
     return min(triton.next_power_of_2(max(n_tiles, 1)), 1024)
@@ -492,8 +502,6 @@ def ce_chunk_triton(
     warps = config.few_rows_warps if few_rows else config.num_warps
     programs = min(n, config.programs_per_sm * sms)
     vec = min(8, block_v)  # the one pass's columns per row of its 2-D block: one 16-byte load of 16-bit values
-    x, w, bias = operands if operands is not None else (dummy[:, None], dummy[:, None], None)
-    assert operands is None or (x.stride(1) == 1 and w.stride(1) == 1), "the operands' rows must be contiguous"
     _ce_kernel[(programs,)](
         logits,
         logits.stride(0),
@@ -509,15 +517,6 @@ def ce_chunk_triton(
         counts if counts is not None else dummy,
         total if total is not None else dummy,
         tile_sum_ptr=tile_stats[1] if tile_stats is not None else dummy,
-        x_ptr=x,
-        stride_x=x.stride(0),
-        w_ptr=w,
-        stride_w=w.stride(0),
-        bias_ptr=dummy if bias is None else bias,
-        H=x.shape[1],
-        EXACT_Y=operands is not None,
-        HAS_BIAS=bias is not None,
-        BLOCK_H=min(1024, triton.next_power_of_2(x.shape[1])),
         n_rows=n,
         V=vocab,
         ignore_index=opts.ignore_index,
@@ -539,4 +538,5 @@ def ce_chunk_triton(
         GROUPED=whole_groups(logits, vec) and (grad_out is logits or whole_groups(grad_out, vec)),
         num_warps=max(4, min(warps, block_v // 512)),
         **shift_args(tile_stats[0] if tile_stats is not None else None, vocab, dummy),
+        **target_dot_args(operands, dummy),
     )

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .ce_triton import block_cols, load_z, load_z_at, row_start, shift_args, target_dot, whole_groups
+from .ce_triton import (block_cols, load_z, load_z_at, row_start, shift_args, target_dot, target_dot_args,
+                        whole_groups)
 from .softcap_triton import capped
 from .token_stats import RowStats, Transform
 
@@ -169,19 +170,14 @@ def row_stats_triton(logits: torch.Tensor, target: torch.Tensor, out: RowStats, 
     grid, launch = _launch(logits)
     top1 = out.is_top1.view(torch.int8) if out.is_top1 is not None else None
     dummy = out.lse
-    x, w, bias = operands if operands is not None else (dummy[:, None], dummy[:, None], None)
-    exact_y = operands is not None and out.log_probs is not None
-    assert not exact_y or (x.stride(1) == 1 and w.stride(1) == 1), "the operands' rows must be contiguous"
     _stats_kernel[grid](
         logits, logits.stride(0), target, out.lse, *(dummy if t is None else t for t in (
             out.log_probs, out.entropy, out.log_sum_sq_probs, out.mean_logits, top1)),
-        x_ptr=x, stride_x=x.stride(0), w_ptr=w, stride_w=w.stride(0), bias_ptr=dummy if bias is None else bias,
-        H=x.shape[1], EXACT_Y=exact_y, HAS_BIAS=bias is not None, BLOCK_H=min(1024, triton.next_power_of_2(x.shape[1])),
         n_rows=n, V=vocab, ignore_index=tf.ignore_index, inv_temp=tf.inv_temp, softcap=float(tf.softcap or 1.0),
         HAS_SOFTCAP=tf.softcap is not None, HAS_LOG_PROBS=out.log_probs is not None,
         HAS_ENTROPY=out.entropy is not None, HAS_SUM_SQ=out.log_sum_sq_probs is not None,
         HAS_MEAN=out.mean_logits is not None, HAS_TOP1=top1 is not None, **launch,
-        **shift_args(tile_max, vocab, dummy))
+        **shift_args(tile_max, vocab, dummy), **target_dot_args(operands, dummy, exact=out.log_probs is not None))
 
 
 def row_grad_triton(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
