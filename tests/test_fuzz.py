@@ -6,6 +6,8 @@ shapes stay small; the example counts come from the hypothesis profile (tests/co
 deterministic, or HYPOTHESIS_PROFILE=thorough, random).
 """
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -96,27 +98,37 @@ def num_items_for(t, choice):
     chunk=st.one_of(st.none(), st.integers(1, 16)), ignore=st.floats(0.0, 1.0),
     bias=st.booleans(), class_weight=st.booleans(), opts=options, dtype=DTYPES,
     num_items=st.sampled_from(["none", "none", "float", "0-d", "(1,)"]), validate=st.booleans(),
-    accum=st.sampled_from([None, torch.float32]), low_memory=st.booleans(),
+    accum=st.sampled_from([None, torch.float32]), low_memory=st.booleans(), wide=st.booleans(),
     backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**31 - 1),
 )
 # One vocabulary entry with z_loss: dz is only the z-loss term, which must not come out as the
 # difference of two rounded O(1) numbers (it did once: grad_input off by 1.03e-4).
 @example(n=1, hidden=1, vocab=1, lead=(), chunk=None, ignore=0.0, bias=False, class_weight=False,
          opts={"reduction": "mean", "label_smoothing": 0.0, "z_loss": 1e-3, "softcap": None, "temperature": 1.0},
-         dtype=torch.float32, num_items="none", validate=True, accum=None, low_memory=False, backend=BACKENDS[-1],
-         seed=1)
+         dtype=torch.float32, num_items="none", validate=True, accum=None, low_memory=False, wide=False,
+         backend=BACKENDS[-1], seed=1)
 # grad_W of V = H = 1 is a sum of ~20 terms of random sign that cancel to 1/200 of their absolute sum: held to
 # what rounding each term allows (rounding_scales), not to its own norm (it failed the latter at 10x).
 @example(n=38, hidden=1, vocab=1, lead=(2,), chunk=None, ignore=0.75, bias=True, class_weight=True,
          opts={"reduction": "none", "label_smoothing": 0.0, "z_loss": 0.1, "softcap": 30.0, "temperature": 0.5},
-         dtype=torch.bfloat16, num_items="none", validate=True, accum=None, low_memory=False, backend="torch",
-         seed=1)
+         dtype=torch.bfloat16, num_items="none", validate=True, accum=None, low_memory=False, wide=False,
+         backend="torch", seed=1)
 # No rows, low-memory, H = 1, V = 257: forward's one-row buffer, padded to 260 columns, outgrew grad_weight's storage.
 @example(n=0, hidden=1, vocab=257, lead=(), chunk=1, ignore=0.0, bias=False, class_weight=False,
          opts={"reduction": "mean", "label_smoothing": 0.0, "z_loss": 0.0, "softcap": None, "temperature": 1.0},
-         dtype=torch.float32, num_items="none", validate=False, accum=None, low_memory=True, backend="torch", seed=0)
+         dtype=torch.float32, num_items="none", validate=False, accum=None, low_memory=True, wide=False,
+         backend="torch", seed=0)
 def test_random_cases_match_reference(n, hidden, vocab, lead, chunk, ignore, bias, class_weight, opts, dtype,
-                                      num_items, validate, accum, low_memory, backend, seed):
+                                      num_items, validate, accum, low_memory, wide, backend, seed):
+    """``wide``: small single chunks of 16-bit logits in float32 (``function.wide_logits``: CUDA's default, on the
+    CPU through the GEMMs' upcast fallback) or in 16 bits."""
+    with mock.patch.object(flce.function, "supports_out_dtype", lambda device, batched=False: wide):
+        _check_random_case(n, hidden, vocab, lead, chunk, ignore, bias, class_weight, opts, dtype, num_items, validate,
+                           accum, low_memory, backend, seed)
+
+
+def _check_random_case(n, hidden, vocab, lead, chunk, ignore, bias, class_weight, opts, dtype, num_items, validate,
+                       accum, low_memory, backend, seed):
     g = torch.Generator().manual_seed(seed)
     dev = DEVICE if backend == "triton" else torch.device("cpu")  # Triton runs on CUDA, or the interpreter
     x, w, b, t, cw = leaves(g, (*lead, n), hidden, vocab, dtype, bias, class_weight, ignore, dev)
