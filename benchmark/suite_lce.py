@@ -84,7 +84,9 @@ SWEEPS: dict[str, Callable[[bool], list[Cell]]] = {
                                 Cell("precision", 8192, 4096, 128256, FB, precision=True),  # one chunk
                                 # a trained model's logits: spread out, targets likely (bf16 logits' own error)
                                 Cell("precision", 32768, 1024, 32000, FB, precision=True, logit_std=6.0),
-                                Cell("precision", 8192, 4096, 128256, FB, precision=True, logit_std=6.0)],
+                                Cell("precision", 8192, 4096, 128256, FB, precision=True, logit_std=6.0),
+                                # a small batch: cuBLAS's logits (flce's in float32, function.wide_logits)
+                                Cell("precision", 64, 4096, 128256, FB, precision=True, logit_std=6.0)],
     "ignore": lambda quick: [Cell("ignore", 8192, **LLAMA3, modes=FB, ignored=share) for share in (0.0, 0.5)],
     # The embedded default without a GPU (a training step in float32, seconds a cell): logits of 8 and
     # 32 MiB against a weight of 2 and 4 MiB, and the larger with half the targets ignored.
