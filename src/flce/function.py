@@ -4,7 +4,9 @@ Forward, per chunk of rows: logits = x_c @ W^T (+ b) into one reused buffer (a s
 GEMM's own output); the CE kernel writes the loss and overwrites the logits with their gradient; then
 grad_input rows = dlogits @ W and grad_weight += dlogits^T @ x_c. Backward only multiplies by
 grad_output. On Hopper the logits GEMM is flce's own (``kernels.logits_triton``): its epilogue hands
-the CE kernel each row's softmax statistics, so the CE kernel reads the logits once.
+the CE kernel each row's softmax statistics, so the CE kernel reads the logits once, and each row's logit at
+its target comes from a float32 dot. A single chunk below 256 rows, which cuBLAS multiplies, keeps its
+logits in float32 (``wide_logits``); the CE kernel then writes the 16-bit dlogits beside them.
 
 Two exceptions. With a single chunk (small batches) the two gradient GEMMs wait for backward, where
 grad_output and the reduction's scale are applied where each gradient is rounded once: to the small
