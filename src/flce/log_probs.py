@@ -254,8 +254,8 @@ def chunk_loop(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     for i, (start, end) in enumerate(plan.bounds()):
         rows = slice(start, end)
         x_c = _in_dtype(x[rows], spec.compute_dtype)
-        # On Hopper the logits less their tile max (the loss's GEMM: far less rounding where p is not small)
-        # float32 logits for a small single chunk (``function.wide_logits``), as the loss's
+        # As the loss's: on Hopper the logits less their tile max (far less rounding where p is not small), and
+        # float32 logits for a small single chunk (``function.wide_logits``)
         logits, tile_stats = chunk_logits(x_c, w, bias, None if buffer is None else buffer[:end - start], opts,
                                           spec.backend, sums=False, wide=True)  # the token kernels make their own sums
         tile_max = None if tile_stats is None else tile_stats[0]
