@@ -26,7 +26,7 @@ from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import flce
-from flce.patches.moe import has_experts_backend
+from flce.patches.moe import has_flce_experts
 
 ZOO = dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)  # model_type -> class name
 VOCAB = 128
@@ -334,7 +334,7 @@ def zoo_verdict(model_type: str, backend: str = "torch", device: str = "cpu",
             raise
         return Verdict("refused", str(e))
     _assert_same_step(got, want, got_grads, want_grads, *tol)
-    _assert_same_eval(model, reference, inputs, exact=device == "cpu" and not has_experts_backend(model))
+    _assert_same_eval(model, reference, inputs, exact=device == "cpu" and not has_flce_experts(model))
     return Verdict("fused")
 
 

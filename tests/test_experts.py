@@ -495,7 +495,7 @@ def test_gpt_oss_flags_decide_the_layout_and_biases():
     if "gpt_oss" not in hf_zoo.ZOO:
         pytest.skip(f"transformers {transformers.__version__} has no gpt_oss")
     module = next(m for m in hf_zoo.build("gpt_oss").modules() if type(m).__name__ == "GptOssExperts")
-    operands = fx._operands(module)
+    operands = fx.expert_operands(module)
     assert operands.act.interleaved and operands.gate_up_bias is module.gate_up_proj_bias
     assert operands.gate_up.shape == module.gate_up_proj.transpose(1, 2).shape  # stored (E, H, 2I)
     module.is_concatenated = True

@@ -14,6 +14,7 @@ from hf_zoo import (MODELS_FILE, README_FILE, ZOO, build, installed, readme_with
                     render_models, train_step, zoo_batch, zoo_verdict)
 
 import flce.experts
+from flce.patches import moe_blocks
 
 RECORDED = recorded_verdicts()
 RECORDED_ON = RECORDED.get("_transformers")
@@ -81,14 +82,16 @@ MOE_ON_FLCE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm
                "deepseek_v4", "hy_v4", "lfm2_moe", "aria_text",  # a clamped SwiGLU, F.silu, transposed weights
                "gpt_oss", "minimax_m3_vl_text",  # GPT-OSS's gate: alpha, up + 1, interleaved, biases
                "nemotron_h", "inkling2_text", "inkling2_loop_text"]  # ungated relu2, softcapped SwiGLU
-MOE_KEPT = ["dbrx", "llama4_text", "jetmoe"]  # other layouts (no experts decorator)
+MOE_BLOCKS = ["llama4_text", "llama4"]  # dense blocks, no experts decorator: computed sparsely (patches.moe_blocks)
+MOE_KEPT = ["dbrx", "jetmoe"]  # other layouts (no experts decorator)
 
 
-@pytest.mark.parametrize("model_type", installed(MOE_ON_FLCE + MOE_KEPT))
+@pytest.mark.parametrize("model_type", installed(MOE_ON_FLCE + MOE_BLOCKS + MOE_KEPT))
 def test_moe_entries_take_flce_experts_where_it_computes_every_one(model_type, monkeypatch):
     """The patch selects the "flce" experts backend on a MoE model whose experts flce computes, every one of
-    them, and then they run there (the zoo's verdicts compare those steps with the model's own experts); other
-    layouts keep their implementation. Removing the patch puts it back."""
+    them, or flce's sparse forward on its dense MoE blocks, and then they run there (the zoo's verdicts compare
+    those steps with the model's own experts); other layouts keep their implementation. Removing the patch puts
+    it back."""
     calls = []
     fused = flce.experts.experts_forward
     monkeypatch.setattr(flce.experts, "experts_forward", lambda *a, **k: calls.append(1) or fused(*a, **k))
@@ -99,7 +102,10 @@ def test_moe_entries_take_flce_experts_where_it_computes_every_one(model_type, m
     previous = model.config._experts_implementation
     flce.apply_flce_patch(model)
     train_step(model, zoo_batch(model, model_type))
-    on = model_type in MOE_ON_FLCE
-    assert (model.config._experts_implementation == "flce") == on and bool(calls) == on
+    blocks = [m for m in model.modules() if type(m).__name__ in moe_blocks.BLOCK_FORMS]
+    on, dense = model_type in MOE_ON_FLCE + MOE_BLOCKS, model_type in MOE_BLOCKS
+    assert (model.config._experts_implementation == "flce") == (on and not dense) and bool(calls) == on
+    assert bool(blocks) == dense and all(moe_blocks.enabled(b) for b in blocks)
     flce.remove_flce_patch(model)
     assert model.config._experts_implementation == previous
+    assert not any(moe_blocks.enabled(b) for b in blocks)

@@ -80,7 +80,7 @@ def measure(family: str, shape: str) -> None:
     module, config, x, ids, weights = layer(family, shape)
     grad = torch.randn_like(x)
     leaves = [x, weights, *(p for p in module.parameters())]
-    operands = fx._operands(module)
+    operands = fx.expert_operands(module)
     assert operands is not None, f"flce does not compute {type(module).__name__}"
 
     def on(impl):

@@ -241,12 +241,13 @@ def computes_experts(experts: torch.nn.Module) -> bool:
     grouped_mm): gate/up (E, 2I, H) and down (E, H, I) (or both stored transposed), optional biases, a SiLU gate
     applied by transformers' default gate or a :data:`GATE_FORMS` class's own gate; or ungated experts (``up_proj``
     (E, I, H)) with a relu2 ``act_fn``."""
-    return _operands(experts) is not None
+    return expert_operands(experts) is not None
 
 
-def _operands(experts: torch.nn.Module) -> Operands | None:
+def expert_operands(experts: torch.nn.Module, transposed: bool | None = None) -> Operands | None:
     """The :class:`Operands` of this module, or None where flce does not compute it; every check made once (a
-    layer call's host path)."""
+    layer call's host path). transposed: whether the weights are stored (E, H, 2I) and (E, I, H) (None: as the
+    module's ``is_transposed`` says)."""
     gated = getattr(experts, "has_gate", True)
     first, down = getattr(experts, "gate_up_proj" if gated else "up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(first, torch.Tensor) and isinstance(down, torch.Tensor)):
@@ -257,7 +258,7 @@ def _operands(experts: torch.nn.Module) -> Operands | None:
     act = _module_activation(experts) if gated else (RELU2 if _is_relu2(getattr(experts, "act_fn", None)) else None)
     if biases is None or act is None:
         return None
-    if getattr(experts, "is_transposed", False):  # stored (E, H, 2I) and (E, I, H): their transposed views
+    if getattr(experts, "is_transposed", False) if transposed is None else transposed:  # their transposed views
         first, down = first.transpose(-1, -2), down.transpose(-1, -2)
     halves = 2 if gated else 1
     num_experts, rows, hidden = first.shape if first.dim() == 3 else (0, 1, 0)
@@ -352,7 +353,7 @@ def flce_experts_forward(
     Experts of another layout (another activation or gate, a post-expert norm) run transformers' ``grouped_mm``
     backend (or the module's eager forward where that is missing).
     """
-    ops = _operands(self)
+    ops = expert_operands(self)
     if ops is not None and ops.gate_up.shape[2] == hidden_states.shape[-1]:
         act = ops.act
         return experts_forward(hidden_states, top_k_index, top_k_weights, ops.gate_up, ops.down,

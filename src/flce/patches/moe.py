@@ -1,9 +1,15 @@
-"""Selecting flce's experts backend ("flce", registered by flce.experts) on a patched MoE model.
+"""Selecting flce's experts on a patched MoE model.
 
-Only models whose experts it computes, every one of them, are switched (``has_experts_backend``: Mixtral,
-Qwen2/3-MoE, DeepSeek-V2/V3/V4, GPT-OSS, Nemotron-H, Inkling-2, OLMoE, GLM-4 MoE and most MoE families of
-transformers 5); a model with any other experts layout keeps its implementation. The previous implementation is
-remembered on the instance and put back by ``restore_experts``.
+Only models whose experts flce computes, every one of them, are switched:
+
+- experts modules that transformers dispatches by implementation (``has_experts_backend``: Mixtral, Qwen2/3-MoE,
+  DeepSeek-V2/V3/V4, GPT-OSS, Nemotron-H, Inkling-2, OLMoE, GLM-4 MoE and most MoE families of transformers 5)
+  take the "flce" backend (registered by flce.experts);
+- dense MoE blocks (Llama 4's, ``moe_blocks``) compute the selected experts through flce's instead of every
+  expert on every token.
+
+A model with any other experts layout keeps its implementation. What was replaced is remembered on the instance and
+put back by ``restore_experts``.
 """
 
 from __future__ import annotations
@@ -15,29 +21,40 @@ from typing import Iterator
 from torch import nn
 
 from ..experts import BACKEND_NAME, computes_experts
+from . import moe_blocks
 from .settings import PatchSettings
 
 _PREVIOUS = "_flce_patch_previous_experts"
 _MISSING = object()
 _SWITCHED: weakref.WeakSet = weakref.WeakSet()  # models switched here, for removing a class patch
 _COMPUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> has_experts_backend, found once
+_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its dense MoE blocks flce computes
 
 
 def select_experts(model: nn.Module, settings: PatchSettings) -> None:
-    """Switch ``model`` to the "flce" experts backend if it computes its experts and the settings want it."""
-    if not (settings.use_flce_experts and has_experts_backend(model)):
+    """Switch ``model`` to flce's experts if flce computes them and the settings want it."""
+    if not (settings.use_flce_experts and has_flce_experts(model)):
         restore_experts(model)
         return
     if _PREVIOUS in model.__dict__:
         return
-    if not _backend_registered():
-        warnings.warn(f"flce: no experts backend named {BACKEND_NAME!r} is registered with transformers' "
-                      f"ExpertsInterface; {type(model).__name__} keeps its experts implementation "
-                      f"{_current(model)!r} (pass use_flce_experts=False to silence this)", stacklevel=4)
-        return
-    model.__dict__[_PREVIOUS] = _current(model)
-    model.set_experts_implementation(BACKEND_NAME)
+    previous = _current(model)
+    if has_experts_backend(model):
+        if not _backend_registered():
+            warnings.warn(f"flce: no experts backend named {BACKEND_NAME!r} is registered with transformers' "
+                          f"ExpertsInterface; {type(model).__name__} keeps its experts implementation "
+                          f"{_current(model)!r} (pass use_flce_experts=False to silence this)", stacklevel=4)
+            return
+        model.set_experts_implementation(BACKEND_NAME)
+    for block in _sparse_blocks(model):
+        moe_blocks.enable(block)
+    model.__dict__[_PREVIOUS] = previous
     _SWITCHED.add(model)
+
+
+def has_flce_experts(model: nn.Module) -> bool:
+    """Whether flce computes ``model``'s experts: by the "flce" backend or in place of dense MoE blocks."""
+    return has_experts_backend(model) or bool(_sparse_blocks(model))
 
 
 def has_experts_backend(model: nn.Module) -> bool:
@@ -59,8 +76,20 @@ def restore_experts(model: nn.Module) -> None:
     """Put back the experts implementation ``select_experts`` replaced (if it is still "flce")."""
     previous = model.__dict__.pop(_PREVIOUS, _MISSING)
     _SWITCHED.discard(model)
-    if previous is not _MISSING and _current(model) == BACKEND_NAME:
+    if previous is _MISSING:
+        return
+    for block in _sparse_blocks(model):
+        moe_blocks.disable(block)
+    if _current(model) == BACKEND_NAME:
         model.set_experts_implementation(previous)
+
+
+def _sparse_blocks(model: nn.Module) -> list[nn.Module]:
+    """``moe_blocks.sparse_blocks``, found at the first call."""
+    blocks = _BLOCKS.get(model)
+    if blocks is None:
+        blocks = _BLOCKS[model] = moe_blocks.sparse_blocks(model)
+    return blocks
 
 
 def switched_models(cls: type) -> Iterator[nn.Module]:

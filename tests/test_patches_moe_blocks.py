@@ -1,0 +1,124 @@
+"""Llama 4's dense MoE block computed sparsely through flce's experts (patches/moe_blocks.py): against the block's own
+forward in float64 (output, router logits, every gradient; top-1 and top-2), in a patched model (the dense experts
+never run, the router's hooks fire once), under torch.compile; a class that computes otherwise keeps its forward."""
+
+import copy
+
+import pytest
+import torch
+from conftest import DEVICE
+from reference import TOL, assert_close
+
+transformers = pytest.importorskip("transformers")
+llama4 = pytest.importorskip("transformers.models.llama4.modeling_llama4")
+
+import flce  # noqa: E402
+from flce.patches import moe_blocks  # noqa: E402
+
+
+def tiny_config(top_k: int, experts: int = 4, hidden: int = 32, inter: int = 24):
+    return transformers.Llama4TextConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
+                                         num_experts_per_tok=top_k)
+
+
+def make_block(config, dtype=torch.float64, device="cpu", cls=None) -> torch.nn.Module:
+    """A block with random weights (fresh draws: the class's experts start at zeros) in ``dtype``."""
+    block = (cls or llama4.Llama4TextMoe)(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+    return block.to(device=device, dtype=dtype)
+
+
+def separated_tokens(block: torch.nn.Module, tokens: int, margin: float = 0.05) -> torch.Tensor:
+    """(tokens, H) float64 inputs whose k-th and (k+1)-th router logits lie ``margin`` apart, so that rounding in
+    any dtype picks the experts float64 picks."""
+    k, router = block.router.top_k, block.router.weight.detach().double().cpu()
+    x = torch.randn(tokens * 8, router.shape[1], dtype=torch.float64)
+    top = (x @ router.T).topk(k + 1, dim=1).values if k < router.shape[0] else None
+    keep = x if top is None else x[top[:, k - 1] - top[:, k] > margin]
+    assert keep.shape[0] >= tokens, "too few tokens with separated logits"
+    return keep[:tokens]
+
+
+def step(block, x, grad):
+    """(output, router logits, gradients of x and every parameter) of one forward + backward."""
+    x = x.detach().clone().requires_grad_()
+    out, logits = block(x)
+    grads = torch.autograd.grad(out, [x, *block.parameters()], grad)
+    return out, logits, grads
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_sparse_block_matches_the_dense_block_in_float64(top_k, dtype):
+    device = "cpu" if dtype == torch.float64 else DEVICE
+    reference = make_block(tiny_config(top_k, experts=5))
+    block = copy.deepcopy(reference).to(device=device, dtype=dtype)
+    moe_blocks.enable(block)
+    x = separated_tokens(reference, 37)
+    grad = torch.randn(37, 32, dtype=torch.float64)
+    want = step(reference, x, grad)  # unflagged: transformers' dense forward
+    got = step(block, x.to(device, dtype), grad.to(device, dtype))
+    assert got[0].dtype == dtype and got[1].dtype == dtype
+    names = ["output", "router logits", "grad x"] + [f"grad {n}" for n, _ in block.named_parameters()]
+    for name, g, w in zip(names, [*got[:2], *got[2]], [*want[:2], *want[2]]):
+        assert g.shape == w.shape, name
+        assert_close(g, w, TOL[dtype], name)
+    moe_blocks.disable(block)
+    assert_close(step(block, x.to(device, dtype), grad.to(device, dtype))[0], want[0], TOL[dtype], "disabled")
+
+
+def test_a_block_class_that_computes_otherwise_keeps_its_forward():
+    """A class of the same name whose routing weights scale the experts' outputs, not their inputs."""
+
+    def output_scaled(self, hidden_states):
+        scores, logits = self.router(hidden_states)
+        routed = self.experts(hidden_states.repeat(scores.shape[1], 1))
+        routed = routed.view(scores.shape[1], -1, hidden_states.shape[1]) * scores.T[:, :, None]
+        return self.shared_expert(hidden_states) + routed.sum(0), logits
+
+    other = type("Llama4TextMoe", (llama4.Llama4TextMoe,), {"forward": output_scaled})
+    for cls, computed in ((other, False), (llama4.Llama4TextMoe, True)):
+        holder = torch.nn.Module()
+        holder.config, holder.block = tiny_config(1), make_block(tiny_config(1), cls=cls)
+        assert moe_blocks.sparse_blocks(holder) == ([holder.block] if computed else []), cls
+
+
+def test_patched_model_never_runs_the_dense_experts(monkeypatch):
+    hf_zoo = pytest.importorskip("hf_zoo")
+    if "llama4_text" not in hf_zoo.ZOO:
+        pytest.skip(f"transformers {transformers.__version__} has no llama4_text")
+    torch.manual_seed(0)
+    model = hf_zoo.build("llama4_text")
+    reference = copy.deepcopy(model)
+    inputs = hf_zoo.zoo_batch(model, "llama4_text")
+    want = reference(**inputs)
+    flce.apply_flce_patch(model)
+    routers = [m for m in model.modules() if isinstance(m, llama4.Llama4Router)]
+    calls = []
+    for router in routers:  # transformers records the router logits through such hooks
+        router.register_forward_hook(lambda module, args, out: calls.append(module))
+
+    def dense(*args, **kwargs):
+        raise AssertionError("the dense experts ran")
+
+    monkeypatch.setattr(llama4.Llama4TextExperts, "forward", dense)
+    got = model(**inputs)  # training mode: the fused loss, flce's experts
+    assert got.logits is None and torch.allclose(got.loss, want.loss, rtol=2e-6)
+    assert routers and calls == routers  # each router's hooks fired once, in order
+    flce.remove_flce_patch(model)
+    with pytest.raises(AssertionError, match="the dense experts ran"):
+        model(**inputs)
+
+
+def test_compiled_block_matches_eager():
+    block = make_block(tiny_config(2), dtype=torch.float32)
+    moe_blocks.enable(block)
+    x = separated_tokens(block, 19).float()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)  # no graph break: the experts' custom op
+    grad = torch.randn(19, 32)
+    for got, want in zip(step(compiled, x, grad), step(block, x, grad)):
+        for g, w in zip(got if isinstance(got, (list, tuple)) else [got], want if isinstance(want, (list, tuple))
+                        else [want]):
+            assert_close(g, w, TOL[torch.float32])
