@@ -49,3 +49,30 @@ def test_fsdp2_sharded_head_matches_unsharded(process_group):
     assert_close(got.loss, want.loss, 2e-6, "loss")
     for name, grad in want_grads.items():
         assert_close(got_grads[name].full_tensor(), grad, 2e-5, name)
+
+
+def test_fsdp2_sharded_llama4_experts_compute_sparsely(process_group):
+    """Llama 4's blocks through flce's experts (patches/moe_blocks.py) with each experts module its own FSDP2 unit:
+    the experts are called as a module, so FSDP unshards their weights before flce reads them."""
+    from torch.distributed.fsdp import fully_shard
+
+    hf_zoo = pytest.importorskip("hf_zoo")
+    if "llama4_text" not in hf_zoo.ZOO:
+        pytest.skip("this transformers has no llama4_text")
+    from flce.patches import moe_blocks
+
+    reference = hf_zoo.build("llama4_text")
+    model = copy.deepcopy(reference)
+    inputs = hf_zoo.zoo_batch(model, "llama4_text")
+    blocks = [m for m in model.modules() if type(m).__name__ in moe_blocks.BLOCK_FORMS]
+    for block in blocks:
+        fully_shard(block.experts)
+    fully_shard(model)
+    want, want_grads = hf_zoo.train_step(reference, inputs)
+    with patched(model):
+        assert blocks and all(moe_blocks.enabled(b) for b in blocks)
+        for _ in range(2):
+            got, got_grads = hf_zoo.train_step(model, inputs)
+    assert_close(got.loss, want.loss, 2e-6, "loss")
+    for name, grad in want_grads.items():
+        assert_close(got_grads[name].full_tensor(), grad, 2e-5, name)

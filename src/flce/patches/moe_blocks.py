@@ -9,13 +9,15 @@ experts only,
     out = shared_expert(x) + sum_j experts[e_j](x * s_j),
 
 with flce's experts (``flce.experts.experts_forward``) on the k scaled copies of each token at routing weight 1.
-The router and the shared expert are the block's own calls, so their hooks fire as before (transformers records
-the router logits through one).
+The router, the experts and the shared expert are still called as modules, so their hooks fire as before
+(transformers records the router logits through one; FSDP2, DeepSpeed ZeRO-3 and accelerate's offload gather a
+module's weights in one): the experts module is handed the routed copies (``RoutedTokens``), which a wrapper of its
+class's forward computes through flce's.
 
 ``BLOCK_FORMS`` lists the block classes by name, with what differs between them. Before a class's first use flce
 builds a tiny one on the CPU and checks that the class's own forward and flce's agree (``_block_agrees``), so a
-class that changes under the same name keeps its forward. The switch is a flag on the instance, which a wrapper
-of the class's forward reads; every unflagged instance runs the class's own forward (``enable`` / ``disable``).
+class that changes under the same name keeps its forward. The switch is a flag on the block, which a wrapper of
+the block class's forward reads; every unflagged block runs the class's own forward (``enable`` / ``disable``).
 """
 
 from __future__ import annotations
@@ -60,12 +62,17 @@ def sparse_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks if blocks and all(_computes(b, config) for b in blocks) else []
 
 
+@dataclass(frozen=True)
+class RoutedTokens:
+    """What a switched block hands its experts module: the scaled token copies (S, H) and each one's expert (S, 1)."""
+
+    hidden: torch.Tensor
+    index: torch.Tensor
+
+
 def enable(block: nn.Module) -> None:
-    """Compute ``block`` through flce's experts (its class's forward wrapped once)."""
-    cls = type(block)
-    if _FLAG not in cls.__dict__:
-        cls.forward = _wrapped(cls.forward)
-        setattr(cls, _FLAG, False)
+    """Compute ``block`` through flce's experts (its and its experts' classes' forwards wrapped once)."""
+    _install(type(block), type(getattr(block, BLOCK_FORMS[type(block).__name__].experts)))
     setattr(block, _FLAG, True)
 
 
@@ -87,19 +94,42 @@ def sparse_forward(block: nn.Module, hidden_states: torch.Tensor) -> tuple[torch
     index = torch.topk(logits, router.top_k, dim=1).indices  # the router's own choice, from the same logits
     tokens, k = index.shape
     routed_in = (x[:, None, :] * scores.gather(1, index)[:, :, None]).reshape(tokens * k, -1)  # as the block rounds it
-    ops = experts.expert_operands(getattr(block, form.experts), transposed=True)
-    routed = experts.experts_forward(routed_in, index.reshape(-1, 1), routed_in.new_ones(tokens * k, 1), ops.gate_up,
-                             ops.down)
+    routed = getattr(block, form.experts)(RoutedTokens(routed_in, index.reshape(-1, 1)))
     out = getattr(block, form.shared)(x)
     out.add_(routed if k == 1 else routed.view(tokens, k, -1).sum(1))
     return out, logits
 
 
-def _wrapped(forward):
+def routed(experts_cls: type) -> bool:
+    """Whether this experts class's forward is wrapped here (it then takes ``RoutedTokens``)."""
+    return getattr(experts_cls.forward, "__flce_routed__", False)
+
+
+def routed_experts(module: nn.Module, routed: RoutedTokens) -> torch.Tensor:
+    """An experts module's output (S, H) for routed token copies, at routing weight 1: flce's experts on its
+    weights, gate_up_proj (E, H, 2I) and down_proj (E, I, H)."""
+    ops = experts.expert_operands(module, transposed=True)
+    return experts.experts_forward(routed.hidden, routed.index, routed.hidden.new_ones(routed.index.shape),
+                                   ops.gate_up, ops.down)
+
+
+def _install(block_cls: type, experts_cls: type) -> None:
+    """Wrap the two classes' forwards (once each): a flagged block and an experts module handed ``RoutedTokens``
+    take flce's path, every other call the class's own forward."""
+    if _FLAG not in block_cls.__dict__:
+        block_cls.forward = _dispatching(block_cls.forward, sparse_forward, lambda module, args: getattr(module, _FLAG))
+        setattr(block_cls, _FLAG, False)
+    if not routed(experts_cls):
+        experts_cls.forward = _dispatching(experts_cls.forward, routed_experts,
+                                           lambda module, args: bool(args) and isinstance(args[0], RoutedTokens))
+        experts_cls.forward.__flce_routed__ = True
+
+
+def _dispatching(forward, sparse, takes):
     @functools.wraps(forward)
     def dispatch(self, *args, **kwargs):
-        if getattr(self, _FLAG):
-            return sparse_forward(self, *args, **kwargs)
+        if takes(self, args):
+            return sparse(self, *args, **kwargs)
         return forward(self, *args, **kwargs)
 
     return dispatch
@@ -133,6 +163,7 @@ def _agrees(cls: type, form: BlockForm, config) -> bool:
             setattr(tiny_config, name, value)
         with torch.device("cpu"):
             block = cls(tiny_config).float()
+        _install(cls, type(getattr(block, form.experts)))
         with torch.no_grad():
             for p in block.parameters():
                 p.copy_(torch.randn(p.shape, generator=generator))
