@@ -65,7 +65,8 @@ def has_experts_backend(model: nn.Module) -> bool:
     found = _COMPUTED.get(model)
     if found is None:
         experts = [m for m in model.modules() if getattr(getattr(m, "down_proj", None), "ndim", 0) == 3
-                   and hasattr(type(m).forward, "__wrapped__") and not moe_blocks.routed(type(m))]
+                   and hasattr(type(m).forward, "__wrapped__")
+                   and not moe_blocks.routed(type(m))]
         found = (callable(getattr(model, "set_experts_implementation", None)) and bool(experts)
                  and all(computes_experts(m) for m in experts))
         _COMPUTED[model] = found
