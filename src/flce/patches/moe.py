@@ -58,19 +58,22 @@ def has_flce_experts(model: nn.Module) -> bool:
 
 
 def has_experts_backend(model: nn.Module) -> bool:
-    """Whether ``model`` (a transformers model with ``set_experts_implementation``) has experts modules that
-    transformers dispatches by implementation (a 3-D ``down_proj``, a forward wrapped by its experts decorator, not
-    by ``moe_blocks``; a shared expert of the same shape is called directly) and flce.experts computes every one of them itself.
-    Found at the first call."""
+    """Whether ``model`` (a transformers model with ``set_experts_implementation``) has ``experts_modules`` and
+    flce.experts computes every one of them itself. Found at the first call."""
     found = _COMPUTED.get(model)
     if found is None:
-        experts = [m for m in model.modules() if getattr(getattr(m, "down_proj", None), "ndim", 0) == 3
-                   and hasattr(type(m).forward, "__wrapped__")
-                   and not moe_blocks.routed(type(m))]
+        experts = experts_modules(model)
         found = (callable(getattr(model, "set_experts_implementation", None)) and bool(experts)
                  and all(computes_experts(m) for m in experts))
         _COMPUTED[model] = found
     return found
+
+
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """The experts modules that transformers dispatches by implementation: a 3-D ``down_proj``, a forward wrapped by
+    its experts decorator (not by ``moe_blocks``); a shared expert of the same shape is called directly."""
+    return [m for m in model.modules() if getattr(getattr(m, "down_proj", None), "ndim", 0) == 3
+            and hasattr(type(m).forward, "__wrapped__") and not moe_blocks.routed(type(m))]
 
 
 def restore_experts(model: nn.Module) -> None:

@@ -121,7 +121,7 @@ def _install(block_cls: type, experts_cls: type) -> None:
         setattr(block_cls, _FLAG, False)
     if not routed(experts_cls):
         experts_cls.forward = _dispatching(experts_cls.forward, routed_experts,
-                                           lambda module, args: bool(args) and isinstance(args[0], RoutedTokens))
+                                           lambda module, args: len(args) > 0 and isinstance(args[0], RoutedTokens))
         experts_cls.forward.__flce_routed__ = True
 
 
