@@ -34,6 +34,9 @@ CONFIGS = {
     "qwen2moe": ("Qwen2MoeConfig", {"num_experts": 4, "moe_intermediate_size": 16,
                                     "shared_expert_intermediate_size": 16, **_MOE}),
     "qwen3moe": ("Qwen3MoeConfig", {"num_experts": 4, "moe_intermediate_size": 16, **_MOE}),
+    # dense MoE blocks (every expert on every token), top-2 here where the released models route top-1
+    "llama4": ("Llama4TextConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16,
+                                    "intermediate_size_mlp": 48}),
     # a head that scales its float32 logits per column by a learned vector; one attention and one mlp per part
     "dory": ("DoryConfig", {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2,
                             "n_output_layers": 2, "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp",

@@ -101,8 +101,9 @@ def test_an_adapter_variant_flce_cannot_read_is_refused_by_name():
         flce.apply_flce_patch(peft_model)
 
 
-@pytest.mark.parametrize("family", ["qwen3moe", "mixtral"])
-def test_lora_on_the_experts_parameters_trains_through_flce_s_experts(family, monkeypatch):
+@pytest.mark.parametrize("family, experts", [("qwen3moe", "mlp.experts"), ("mixtral", "mlp.experts"),
+                                             ("llama4", "feed_forward.experts")])  # Llama 4: dense blocks
+def test_lora_on_the_experts_parameters_trains_through_flce_s_experts(family, experts, monkeypatch):
     """LoRA on the 3-D expert weights (``target_parameters``, as PEFT's MoE recipes do) wraps the experts module in a
     parametrization; the patch still switches it to flce's experts, which read the adapted weights, and the step
     (adapter gradients included) matches the unpatched model's own experts."""
@@ -112,7 +113,7 @@ def test_lora_on_the_experts_parameters_trains_through_flce_s_experts(family, mo
     fused = flce.experts.experts_forward
     monkeypatch.setattr(flce.experts, "experts_forward", lambda *a, **k: calls.append(1) or fused(*a, **k))
     peft_model = _peft(tiny_model(family), target_modules=[],
-                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+                       target_parameters=[f"{experts}.gate_up_proj", f"{experts}.down_proj"])
     grads = _assert_fused_matches(peft_model)
     assert calls, "the patched step did not run flce's experts"
     assert sum("lora_A" in n for n in grads) == sum("lora_B" in n for n in grads) >= 4  # both weights, every layer

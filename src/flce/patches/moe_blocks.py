@@ -72,7 +72,7 @@ class RoutedTokens:
 
 def enable(block: nn.Module) -> None:
     """Compute ``block`` through flce's experts (its and its experts' classes' forwards wrapped once)."""
-    _install(type(block), type(getattr(block, BLOCK_FORMS[type(block).__name__].experts)))
+    _install(type(block), type(_experts_module(block)))
     setattr(block, _FLAG, True)
 
 
@@ -113,6 +113,15 @@ def routed_experts(module: nn.Module, routed: RoutedTokens) -> torch.Tensor:
                                    ops.gate_up, ops.down)
 
 
+def _experts_module(block: nn.Module) -> nn.Module | None:
+    """The block's experts module below PEFT's wrappers (LoRA on its parameters, ``target_parameters``: each wrapper
+    calls its ``base_layer`` with the adapted weights in place), the one whose class takes ``RoutedTokens``."""
+    module = getattr(block, BLOCK_FORMS[type(block).__name__].experts, None)
+    while isinstance(getattr(module, "base_layer", None), nn.Module):
+        module = module.base_layer
+    return module
+
+
 def _install(block_cls: type, experts_cls: type) -> None:
     """Wrap the two classes' forwards (once each): a flagged block and an experts module handed ``RoutedTokens``
     take flce's path, every other call the class's own forward."""
@@ -138,7 +147,7 @@ def _dispatching(forward, sparse, takes):
 def _computes(block: nn.Module, config) -> bool:
     """Whether flce computes this block: its experts in the form's layout with a SiLU gate, its class checked."""
     form = BLOCK_FORMS[type(block).__name__]
-    ops = experts.expert_operands(getattr(block, form.experts, None), transposed=True)
+    ops = experts.expert_operands(_experts_module(block), transposed=True)
     return (ops is not None and ops.act == SWIGLU and ops.gate_up_bias is None and ops.down_bias is None
             and callable(getattr(block, form.shared, None)) and isinstance(getattr(block, form.router, None), nn.Module)
             and _block_agrees(type(block), form, config))
@@ -163,7 +172,7 @@ def _agrees(cls: type, form: BlockForm, config) -> bool:
             setattr(tiny_config, name, value)
         with torch.device("cpu"):
             block = cls(tiny_config).float()
-        _install(cls, type(getattr(block, form.experts)))
+        _install(cls, type(_experts_module(block)))
         with torch.no_grad():
             for p in block.parameters():
                 p.copy_(torch.randn(p.shape, generator=generator))
