@@ -1,28 +1,27 @@
 """Probe: Llama 4's MoE block (``Llama4TextMoe``: router, experts, shared expert) as transformers computes it (every
 expert on every token, the unselected ones on zeros) and as flce computes it after ``apply_flce_patch``
 (``patches/moe_blocks.py``: the selected experts only, through flce's experts). Forward + backward, bf16, timed in
-interleaved rounds (median of CUDA-event times), peak memory above the inputs and weights, and the two outputs'
-difference. GPU only:
+interleaved rounds (``common.median_of_rounds``), peak memory above the inputs and weights (gradients included), and
+the two outputs' difference. GPU only:
 
-    PYTHONPATH=src python benchmark/probes/llama4_moe_probe.py [TxHxIxExK ...]
+    PYTHONPATH=src:benchmark python benchmark/probes/llama4_moe_probe.py [TxHxIxExK ...]
 
 Default shapes: Llama-4-Scout's layer (H 5120, I 8192, 16 experts, top-1) at 4096 and 16384 tokens, Maverick's (128
 experts) at 2048 tokens, where the dense block may not fit (reported as out of memory).
 """
 from __future__ import annotations
 
-import statistics
 import sys
 import warnings
 
 import torch
 import transformers
+from common import is_oom, median_of_rounds, peak_extra_mb
 from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
 from flce.patches import moe_blocks
 
 SHAPES = ["4096x5120x8192x16x1", "16384x5120x8192x16x1", "2048x5120x8192x128x1"]
-ROUNDS = 10
 
 
 def block_for(shape: str):
@@ -52,32 +51,21 @@ def measure(shape: str) -> None:
         return step
 
     methods = {"transformers (dense)": on(False), "flce": on(True)}
-    times: dict[str, list[float]] = {name: [] for name in methods}
     peaks, outs = {}, {}
-    for name, fn in list(methods.items()):  # warm: autotune, the dispatch's timing; peak memory
+    for name, fn in list(methods.items()):  # warm (autotune, the dispatch's timing), peak memory, output
         try:
-            fn(), fn()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            outs[name] = fn()[0].float()
-            torch.cuda.synchronize()
-            peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        except torch.OutOfMemoryError:
-            print(f"{shape} {name:22s} out of memory", flush=True)
-            del methods[name], times[name]
-            torch.cuda.empty_cache()
-    for _ in range(ROUNDS):
-        for name, fn in methods.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
             fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end))
-    dense_ms = statistics.median(times["transformers (dense)"]) if "transformers (dense)" in times else None
-    for name, ts in times.items():
-        ms = statistics.median(ts)
+            peaks[name] = peak_extra_mb(fn, x.device)
+            outs[name] = fn()[0].float()
+        except Exception as e:  # noqa: BLE001 - out of memory is a result; anything else is raised
+            if not is_oom(e):
+                raise
+            print(f"{shape} {name:22s} out of memory", flush=True)
+            del methods[name]
+            torch.cuda.empty_cache()
+    times = median_of_rounds(methods, x.device, reps=3)
+    dense_ms = times.get("transformers (dense)")
+    for name, ms in times.items():
         speed = f"(x dense {dense_ms / ms:.2f})" if dense_ms else ""
         print(f"{shape} {name:22s} {ms:9.3f} ms {speed:16s} peak +{peaks[name]:.0f} MiB", flush=True)
     if len(outs) == 2:
