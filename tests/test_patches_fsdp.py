@@ -64,7 +64,7 @@ def test_fsdp2_sharded_llama4_experts_compute_sparsely(process_group):
     reference = hf_zoo.build("llama4_text")
     model = copy.deepcopy(reference)
     inputs = hf_zoo.zoo_batch(model, "llama4_text")
-    blocks = [m for m in model.modules() if type(m).__name__ in moe_blocks.BLOCK_FORMS]
+    blocks = [m for m in model.modules() if type(m).__name__ in moe_blocks.FORMS]
     for block in blocks:
         fully_shard(block.experts)
     fully_shard(model)

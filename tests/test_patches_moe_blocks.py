@@ -1,6 +1,8 @@
-"""Llama 4's dense MoE block computed sparsely through flce's experts (patches/moe_blocks.py): against the block's own
-forward in float64 (output, router logits, every gradient; top-1 and top-2), in a patched model (the dense experts
-never run, the router's hooks fire once), under torch.compile; a class that computes otherwise keeps its forward."""
+"""MoE modules without transformers' experts decorator, computed through flce's experts (patches/moe_blocks.py).
+Llama 4's dense block: against its own forward in float64 (output, router logits, every gradient; top-1 and top-2),
+in a patched model (the dense experts never run, the router's hooks fire once), under torch.compile. LongCat-Flash's
+experts with identity experts: against their own forward in float64, and all tokens on identity experts. A class that
+computes otherwise keeps its forward."""
 
 import copy
 
@@ -122,3 +124,60 @@ def test_compiled_block_matches_eager():
         for g, w in zip(got if isinstance(got, (list, tuple)) else [got], want if isinstance(want, (list, tuple))
                         else [want]):
             assert_close(g, w, TOL[torch.float32])
+
+
+# ------------------------------------------------------------------ LongCat-Flash: identity experts
+
+longcat = pytest.importorskip("transformers.models.longcat_flash.modeling_longcat_flash") if hasattr(
+    transformers, "LongcatFlashConfig") else None
+
+
+def make_longcat_experts(dtype=torch.float64, routed=4, identity=2):
+    if longcat is None:
+        pytest.skip(f"transformers {transformers.__version__} has no LongCat-Flash")
+    config = transformers.LongcatFlashConfig(hidden_size=32, expert_ffn_hidden_size=24, n_routed_experts=routed,
+                                             zero_expert_num=identity, moe_topk=2)
+    module = longcat.LongcatFlashExperts(config)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+    return module.to(dtype)
+
+
+def experts_step(module, x, ids, weights, grad):
+    x, weights = (t.detach().clone().requires_grad_() for t in (x, weights))
+    out = module(x, ids, weights)
+    return out, torch.autograd.grad(out, [x, weights, module.gate_up_proj, module.down_proj], grad,
+                                    allow_unused=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_identity_experts_match_their_own_forward_in_float64(dtype):
+    device = "cpu" if dtype == torch.float64 else DEVICE
+    reference = make_longcat_experts()
+    module = copy.deepcopy(reference).to(device=device, dtype=dtype)
+    moe_blocks.enable(module)
+    ids = torch.rand(29, 6).argsort(1)[:, :2]  # over the 4 routed and 2 identity experts
+    x, weights, grad = torch.randn(29, 32, dtype=torch.float64), torch.rand(29, 2, dtype=torch.float64), \
+        torch.randn(29, 32, dtype=torch.float64)
+    want_out, want = experts_step(reference, x, ids, weights, grad)  # unflagged: the class's loop
+    got_out, got = experts_step(module, x.to(device, dtype), ids.to(device), weights.to(device, dtype),
+                                grad.to(device, dtype))
+    assert got_out.dtype == dtype
+    assert_close(got_out, want_out, TOL[dtype], "output")
+    for name, g, w in zip(("x", "weights", "gate_up", "down"), got, want):
+        assert_close(g, w, TOL[dtype], f"grad {name}")
+
+
+def test_tokens_all_on_identity_experts_leave_the_routed_weights_without_gradient():
+    """As the class's loop: the routed experts' weights are not used, so their gradients are None, not zeros."""
+    module = make_longcat_experts()
+    reference = copy.deepcopy(module)
+    moe_blocks.enable(module)
+    ids = torch.tensor([[4, 5], [5, 4], [4, 5]])
+    x, weights, grad = torch.randn(3, 32, dtype=torch.float64), torch.rand(3, 2, dtype=torch.float64), \
+        torch.randn(3, 32, dtype=torch.float64)
+    (got_out, got), (want_out, want) = (experts_step(m, x, ids, weights, grad) for m in (module, reference))
+    assert_close(got_out, want_out, TOL[torch.float64], "output")
+    assert got[2] is None and got[3] is None and want[2] is None and want[3] is None
+    assert_close(got[1], want[1], TOL[torch.float64], "grad weights")

@@ -83,16 +83,17 @@ MOE_ON_FLCE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "glm
                "deepseek_v4", "hy_v4", "lfm2_moe", "aria_text",  # a clamped SwiGLU, F.silu, transposed weights
                "gpt_oss", "minimax_m3_vl_text",  # GPT-OSS's gate: alpha, up + 1, interleaved, biases
                "nemotron_h", "inkling2_text", "inkling2_loop_text"]  # ungated relu2, softcapped SwiGLU
-MOE_BLOCKS = ["llama4_text", "llama4"]  # dense blocks, no experts decorator: computed sparsely (patches.moe_blocks)
+# no experts decorator, computed by patches.moe_blocks: dense blocks (Llama 4), identity experts (LongCat-Flash)
+MOE_UNDECORATED = ["llama4_text", "llama4", "longcat_flash"]
 MOE_KEPT = ["dbrx", "jetmoe"]  # other layouts (no experts decorator)
 
 
-@pytest.mark.parametrize("model_type", installed(MOE_ON_FLCE + MOE_BLOCKS + MOE_KEPT))
+@pytest.mark.parametrize("model_type", installed(MOE_ON_FLCE + MOE_UNDECORATED + MOE_KEPT))
 def test_moe_entries_take_flce_experts_where_it_computes_every_one(model_type, monkeypatch):
     """The patch selects the "flce" experts backend on a MoE model whose experts flce computes, every one of
-    them, or flce's sparse forward on its dense MoE blocks, and then they run there (the zoo's verdicts compare
-    those steps with the model's own experts); other layouts keep their implementation. Removing the patch puts
-    it back."""
+    them, or flce's forward on its MoE modules without the decorator, and then they run there (the zoo's verdicts
+    compare those steps with the model's own experts); other layouts keep their implementation. Removing the patch
+    puts it back."""
     calls = []
     fused = flce.experts.experts_forward
     monkeypatch.setattr(flce.experts, "experts_forward", lambda *a, **k: calls.append(1) or fused(*a, **k))
@@ -103,12 +104,12 @@ def test_moe_entries_take_flce_experts_where_it_computes_every_one(model_type, m
     previous = model.config._experts_implementation
     flce.apply_flce_patch(model)
     train_step(model, zoo_batch(model, model_type))
-    blocks = [m for m in model.modules() if type(m).__name__ in moe_blocks.BLOCK_FORMS]
-    dense = model_type in MOE_BLOCKS
+    modules = [m for m in model.modules() if type(m).__name__ in moe_blocks.FORMS]
+    undecorated = model_type in MOE_UNDECORATED
     # an older transformers may keep a family's experts in another layout (Aria before 5.24: fc1 / fc2 modules)
-    on = dense or (model_type in MOE_ON_FLCE and bool(experts_modules(model)))
-    assert (model.config._experts_implementation == "flce") == (on and not dense) and bool(calls) == on
-    assert bool(blocks) == dense and all(moe_blocks.enabled(b) for b in blocks)
+    on = undecorated or (model_type in MOE_ON_FLCE and bool(experts_modules(model)))
+    assert (model.config._experts_implementation == "flce") == (on and not undecorated) and bool(calls) == on
+    assert bool(modules) == undecorated and all(moe_blocks.enabled(m) for m in modules)
     flce.remove_flce_patch(model)
     assert model.config._experts_implementation == previous
-    assert not any(moe_blocks.enabled(b) for b in blocks)
+    assert not any(moe_blocks.enabled(m) for m in modules)

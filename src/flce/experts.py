@@ -280,10 +280,10 @@ def _biases(experts: torch.nn.Module, first: str) -> tuple[torch.Tensor | None, 
 def _module_activation(experts: torch.nn.Module) -> Activation | None:
     """The :class:`Activation` the module's gate computes (checked on a probe for a class's own gate), or None."""
     if not _own_gate(experts):  # transformers' default: act_fn(gate) * up of the two halves
-        return SWIGLU if _is_silu(getattr(experts, "act_fn", None)) else None
+        return SWIGLU if is_silu(getattr(experts, "act_fn", None)) else None
     owner = next(c for c in type(experts).__mro__ if "_apply_gate" in c.__dict__)  # the class that defines it
     form = GATE_FORMS.get(owner.__name__)
-    if form is None or not (form.activation_in_code or _is_silu(getattr(experts, "act_fn", None))):
+    if form is None or not (form.activation_in_code or is_silu(getattr(experts, "act_fn", None))):
         return None
     limit, gate_cap, up_cap = (_attr(experts, path) for path in (form.limit_attr, form.gate_softcap_attr,
                                                                  form.up_softcap_attr))
@@ -334,7 +334,7 @@ def _gate_agrees(experts: torch.nn.Module, act: Activation) -> bool:
             and torch.allclose(theirs.float(), ours, rtol=1e-5, atol=1e-6))
 
 
-def _is_silu(act) -> bool:
+def is_silu(act) -> bool:
     return act is torch.nn.functional.silu or type(act).__name__ in ("SiLU", "SiLUActivation")
 
 

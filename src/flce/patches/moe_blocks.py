@@ -1,10 +1,10 @@
-"""MoE blocks that transformers computes densely and flce's experts sparsely: Llama 4's.
+"""MoE modules that transformers computes without its experts decorator, computed through flce's experts: Llama 4's
+dense blocks and LongCat-Flash's experts.
 
-Llama 4's block (``Llama4TextMoe``) has no experts decorator. Its router gives each token the sigmoid of its top-k
-logits (0 for the other experts); the block scales the token's input by each expert's score and runs every expert
-on every token (two batched GEMMs over all E experts), so the unselected experts compute zeros: E / k times the
-routed tokens' GEMMs (16x for Llama-4-Scout, 128x for Maverick). flce computes the same sum over the selected
-experts only,
+Llama 4's block (``Llama4TextMoe``). Its router gives each token the sigmoid of its top-k logits (0 for the other
+experts); the block scales the token's input by each expert's score and runs every expert on every token (two batched
+GEMMs over all E experts), so the unselected experts compute zeros: E / k times the routed tokens' GEMMs (16x for
+Llama-4-Scout, 128x for Maverick). flce computes the same sum over the selected experts only,
 
     out = shared_expert(x) + sum_j experts[e_j](x * s_j),
 
@@ -14,10 +14,15 @@ The router, the experts and the shared expert are still called as modules, so th
 module's weights in one): the experts module is handed the routed copies (``RoutedTokens``), which a wrapper of its
 class's forward computes through flce's.
 
-``BLOCK_FORMS`` lists the block classes by name, with what differs between them. Before a class's first use flce
-builds a tiny one on the CPU and checks that the class's own forward and flce's agree (``_block_agrees``), so a
-class that changes under the same name keeps its forward. The switch is a flag on the block, which a wrapper of
-the block class's forward reads; every unflagged block runs the class's own forward (``enable`` / ``disable``).
+LongCat-Flash's experts (``LongcatFlashExperts``), called as a decorated experts module is, (T, H) hidden states and
+(T, k) ids and weights, run a Python loop over the experts a batch hits (a host sync each). Ids at or above its
+routed experts' count are identity experts (zero computation): out = sum_j w_j * (experts[e_j](x) if e_j is routed,
+else x). flce computes the routed ones (ids beyond them are dropped) and adds x times the identity experts' weights.
+
+``FORMS`` lists the classes by name, with what differs between them. Before a class's first use flce builds a tiny
+one on the CPU and checks that the class's own forward and flce's agree (``_agrees``), so a class that changes under
+the same name keeps its forward. The switch is a flag on the module, which a wrapper of its class's forward reads;
+every unflagged module runs the class's own forward (``enable`` / ``disable``).
 """
 
 from __future__ import annotations
@@ -49,17 +54,29 @@ class BlockForm:
                                                 ("num_local_experts", 4), ("num_experts_per_tok", 2))
 
 
-BLOCK_FORMS = {"Llama4TextMoe": BlockForm()}
-_CHECKED: dict[type, bool] = {}  # block class -> whether its forward agrees with flce's (``_block_agrees``)
+@dataclass(frozen=True)
+class IdentityExpertsForm:
+    """Experts with identity experts: the attribute holding the routed experts' count R (``gate_up_proj`` (E, 2I, H)
+    of which the first R rows serve, E >= R, ``down_proj`` (R, H, I), SwiGLU; ids >= R are identity experts), and the
+    config fields that size a tiny one."""
+
+    routed: str = "num_routed_experts"
+    tiny_config: tuple[tuple[str, int], ...] = (("hidden_size", 16), ("expert_ffn_hidden_size", 8),
+                                                ("n_routed_experts", 4), ("zero_expert_num", 2))
+
+
+FORMS: dict[str, BlockForm | IdentityExpertsForm] = {"Llama4TextMoe": BlockForm(),
+                                                      "LongcatFlashExperts": IdentityExpertsForm()}
+_CHECKED: dict[type, bool] = {}  # class -> whether its forward agrees with flce's (``_agrees``)
 
 
 def sparse_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's dense MoE blocks, if flce computes every one of them (else none)."""
-    blocks = [m for m in model.modules() if type(m).__name__ in BLOCK_FORMS]
+    """The model's modules of ``FORMS``, if flce computes every one of them (else none)."""
+    modules = [m for m in model.modules() if type(m).__name__ in FORMS]
     config = getattr(model, "config", None)
     if config is not None and callable(getattr(config, "get_text_config", None)):
         config = config.get_text_config()
-    return blocks if blocks and all(_computes(b, config) for b in blocks) else []
+    return modules if modules and all(_computes(m, config) for m in modules) else []
 
 
 @dataclass(frozen=True)
@@ -70,24 +87,24 @@ class RoutedTokens:
     index: torch.Tensor
 
 
-def enable(block: nn.Module) -> None:
-    """Compute ``block`` through flce's experts (its and its experts' classes' forwards wrapped once)."""
-    _install(type(block), type(_experts_module(block)))
-    setattr(block, _FLAG, True)
+def enable(module: nn.Module) -> None:
+    """Compute ``module`` through flce's experts (its class's forward, and a block's experts', wrapped once)."""
+    _install(module)
+    setattr(module, _FLAG, True)
 
 
-def disable(block: nn.Module) -> None:
-    """Give ``block`` its class's own forward back."""
-    block.__dict__.pop(_FLAG, None)
+def disable(module: nn.Module) -> None:
+    """Give ``module`` its class's own forward back."""
+    module.__dict__.pop(_FLAG, None)
 
 
-def enabled(block: nn.Module) -> bool:
-    return bool(block.__dict__.get(_FLAG))
+def enabled(module: nn.Module) -> bool:
+    return bool(module.__dict__.get(_FLAG))
 
 
 def sparse_forward(block: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The block's (out (T, H), router logits (T, E)) from hidden_states (..., H), through flce's experts."""
-    form = BLOCK_FORMS[type(block).__name__]
+    form = FORMS[type(block).__name__]
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     router = getattr(block, form.router)
     scores, logits = router(x)
@@ -98,6 +115,26 @@ def sparse_forward(block: nn.Module, hidden_states: torch.Tensor) -> tuple[torch
     out = getattr(block, form.shared)(x)
     out.add_(routed if k == 1 else routed.view(tokens, k, -1).sum(1))
     return out, logits
+
+
+def identity_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Experts with identity experts: (T, H) from (T, H) hidden states and (T, k) ids and weights.
+
+    Eagerly, a call whose tokens all go to identity experts leaves the routed experts' weights out of the graph (one
+    host read), as the class's loop does: their gradients stay None, not zeros, which an optimizer treats apart."""
+    routed = getattr(module, FORMS[type(module).__name__].routed)
+    identity = top_k_index >= routed
+    out = (hidden_states * (top_k_weights * identity).sum(1, keepdim=True)).to(hidden_states.dtype)
+    if _traced(hidden_states) or not bool(identity.all()):
+        out = out + experts.experts_forward(hidden_states, top_k_index, top_k_weights, module.gate_up_proj[:routed],
+                                            module.down_proj)  # ids >= routed: dropped
+    return out
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """Under torch.compile or CUDA-graph capture, where a host read cannot decide what runs."""
+    return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def routed(experts_cls: type) -> bool:
@@ -116,21 +153,24 @@ def routed_experts(module: nn.Module, routed: RoutedTokens) -> torch.Tensor:
 def _experts_module(block: nn.Module) -> nn.Module | None:
     """The block's experts module below PEFT's wrappers (LoRA on its parameters, ``target_parameters``: each wrapper
     calls its ``base_layer`` with the adapted weights in place), the one whose class takes ``RoutedTokens``."""
-    module = getattr(block, BLOCK_FORMS[type(block).__name__].experts, None)
+    module = getattr(block, FORMS[type(block).__name__].experts, None)
     while isinstance(getattr(module, "base_layer", None), nn.Module):
         module = module.base_layer
     return module
 
 
-def _install(block_cls: type, experts_cls: type) -> None:
-    """Wrap the two classes' forwards (once each): a flagged block and an experts module handed ``RoutedTokens``
-    take flce's path, every other call the class's own forward."""
-    if _FLAG not in block_cls.__dict__:
-        block_cls.forward = _dispatching(block_cls.forward, sparse_forward, lambda module, args: getattr(module, _FLAG))
-        setattr(block_cls, _FLAG, False)
-    if not routed(experts_cls):
+def _install(module: nn.Module) -> None:
+    """Wrap the forwards of the module's class and (a block) of its experts' class, once each: a flagged module and
+    an experts module handed ``RoutedTokens`` take flce's path, every other call the class's own forward."""
+    cls = type(module)
+    if _FLAG not in cls.__dict__:
+        ours = sparse_forward if isinstance(FORMS[cls.__name__], BlockForm) else identity_experts_forward
+        cls.forward = _dispatching(cls.forward, ours, lambda self, args: getattr(self, _FLAG))
+        setattr(cls, _FLAG, False)
+    experts_cls = type(_experts_module(module)) if isinstance(FORMS[cls.__name__], BlockForm) else None
+    if experts_cls is not None and not routed(experts_cls):
         experts_cls.forward = _dispatching(experts_cls.forward, routed_experts,
-                                           lambda module, args: len(args) > 0 and isinstance(args[0], RoutedTokens))
+                                           lambda self, args: len(args) > 0 and isinstance(args[0], RoutedTokens))
         experts_cls.forward.__flce_routed__ = True
 
 
@@ -144,25 +184,35 @@ def _dispatching(forward, sparse, takes):
     return dispatch
 
 
-def _computes(block: nn.Module, config) -> bool:
-    """Whether flce computes this block: its experts in the form's layout with a SiLU gate, its class checked."""
-    form = BLOCK_FORMS[type(block).__name__]
-    ops = experts.expert_operands(_experts_module(block), transposed=True)
-    return (ops is not None and ops.act == SWIGLU and ops.gate_up_bias is None and ops.down_bias is None
-            and callable(getattr(block, form.shared, None)) and isinstance(getattr(block, form.router, None), nn.Module)
-            and _block_agrees(type(block), form, config))
+def _computes(module: nn.Module, config) -> bool:
+    """Whether flce computes this module: its weights in the form's layout with a SiLU gate, its class checked."""
+    form = FORMS[type(module).__name__]
+    return _in_layout(module, form) and _agrees(type(module), form, config)
+
+
+def _in_layout(module: nn.Module, form) -> bool:
+    if isinstance(form, BlockForm):
+        ops = experts.expert_operands(_experts_module(module), transposed=True)
+        return (ops is not None and ops.act == SWIGLU and ops.gate_up_bias is None and ops.down_bias is None
+                and callable(getattr(module, form.shared, None)) and isinstance(getattr(module, form.router, None),
+                                                                                 nn.Module))
+    gate_up, down, routed = (getattr(module, a, None) for a in ("gate_up_proj", "down_proj", form.routed))
+    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and isinstance(routed, int)
+            and 0 < routed <= gate_up.shape[0] and gate_up.dim() == down.dim() == 3 and down.shape[0] == routed
+            and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]
+            and experts.is_silu(getattr(module, "act_fn", None)))
 
 
 @compile_disabled  # once per class, on CPU tensors: never part of a compiled graph
-def _block_agrees(cls: type, form: BlockForm, config) -> bool:
+def _agrees(cls: type, form, config) -> bool:
     """Whether a tiny ``cls`` built from ``config`` (resized by the form) gives, through its own forward, flce's
-    output and router logits (float32, CPU, k = 2)."""
+    outputs (float32, CPU; a block at k = 2, experts with two of their four ids identity experts)."""
     if cls not in _CHECKED:
-        _CHECKED[cls] = _agrees(cls, form, config)
+        _CHECKED[cls] = _tiny_agrees(cls, form, config)
     return _CHECKED[cls]
 
 
-def _agrees(cls: type, form: BlockForm, config) -> bool:
+def _tiny_agrees(cls: type, form, config) -> bool:
     if config is None:
         return False
     tiny_config = copy.deepcopy(config)
@@ -171,16 +221,26 @@ def _agrees(cls: type, form: BlockForm, config) -> bool:
         for name, value in form.tiny_config:
             setattr(tiny_config, name, value)
         with torch.device("cpu"):
-            block = cls(tiny_config).float()
-        _install(cls, type(_experts_module(block)))
+            module = cls(tiny_config).float()
+        _install(module)
         with torch.no_grad():
-            for p in block.parameters():
+            for p in module.parameters():
                 p.copy_(torch.randn(p.shape, generator=generator))
-            x = torch.randn(7, dict(form.tiny_config)["hidden_size"], generator=generator)
-            theirs = cls.forward(block, x)  # unflagged: the class's own forward
-            ours = sparse_forward(block, x)
+            inputs = _tiny_inputs(module, form, generator)
+            theirs = cls.forward(module, *inputs)  # unflagged: the class's own forward
+            ours = (sparse_forward if isinstance(form, BlockForm) else identity_experts_forward)(module, *inputs)
     except Exception:  # noqa: BLE001 - a class that cannot be built or run this way is not one flce knows
         return False
-    return (isinstance(theirs, tuple) and len(theirs) == 2 and all(
+    theirs, ours = (t if isinstance(t, tuple) else (t,) for t in (theirs, ours))
+    return len(theirs) == len(ours) and all(
         isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
-        for a, b in zip(theirs, ours)))
+        for a, b in zip(theirs, ours))
+
+
+def _tiny_inputs(module: nn.Module, form, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A tiny module's inputs: 7 tokens; for experts, top-2 ids over every expert, routed and identity."""
+    x = torch.randn(7, dict(form.tiny_config)["hidden_size"], generator=generator)
+    if isinstance(form, BlockForm):
+        return (x,)
+    ids = torch.rand(7, module.gate_up_proj.shape[0], generator=generator).argsort(1)[:, :2]
+    return x, ids, torch.rand(7, 2, generator=generator)
