@@ -48,8 +48,8 @@ def apply_flce_patch(model_or_class: T, **options) -> T:
             ``low_memory``) and patch options: ``materialize_logits`` (None: fuse in training and return
             logits in eval mode; False: fuse whenever labels are given; True: never fuse) and
             ``use_flce_experts`` (a MoE model whose experts the "flce" experts backend computes, every one of
-            them: select that backend; Llama 4's dense MoE blocks: compute only the routed experts, through
-            flce's; default True).
+            them: select that backend; Llama 4's dense MoE blocks and LongCat-Flash's experts, which have no
+            experts decorator: compute their routed experts through flce's; default True).
 
     A call with labels in training returns the unpatched model's ``loss`` (its own label shift,
     ``shift_labels``, ignore_index, ``num_items_in_batch``, ``logits_to_keep``, router aux loss) and

@@ -5,8 +5,8 @@ Only models whose experts flce computes, every one of them, are switched:
 - experts modules that transformers dispatches by implementation (``has_experts_backend``: Mixtral, Qwen2/3-MoE,
   DeepSeek-V2/V3/V4, GPT-OSS, Nemotron-H, Inkling-2, OLMoE, GLM-4 MoE and most MoE families of transformers 5)
   take the "flce" backend (registered by flce.experts);
-- dense MoE blocks (Llama 4's, ``moe_blocks``) compute the selected experts through flce's instead of every
-  expert on every token.
+- MoE modules without that decorator (``moe_blocks``: Llama 4's dense blocks, LongCat-Flash's identity experts)
+  compute their routed experts through flce's.
 
 A model with any other experts layout keeps its implementation. What was replaced is remembered on the instance and
 put back by ``restore_experts``.
@@ -28,7 +28,7 @@ _PREVIOUS = "_flce_patch_previous_experts"
 _MISSING = object()
 _SWITCHED: weakref.WeakSet = weakref.WeakSet()  # models switched here, for removing a class patch
 _COMPUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> has_experts_backend, found once
-_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its dense MoE blocks flce computes
+_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ``moe_blocks`` modules flce computes
 
 
 def select_experts(model: nn.Module, settings: PatchSettings) -> None:
@@ -53,7 +53,7 @@ def select_experts(model: nn.Module, settings: PatchSettings) -> None:
 
 
 def has_flce_experts(model: nn.Module) -> bool:
-    """Whether flce computes ``model``'s experts: by the "flce" backend or in place of dense MoE blocks."""
+    """Whether flce computes ``model``'s experts: by the "flce" backend or through ``moe_blocks``."""
     return has_experts_backend(model) or bool(_sparse_blocks(model))
 
 

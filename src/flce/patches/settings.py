@@ -23,7 +23,7 @@ class PatchSettings:
     ``Trainer.evaluate`` and metrics need); False fuses whenever labels are given (eval too, logits then
     None); True never fuses (the unpatched forward, logits always there).
     use_flce_experts: models whose experts the "flce" experts backend computes select it (flce.experts), and
-    dense MoE blocks flce knows compute only the routed experts (``moe_blocks``)."""
+    the MoE modules without the experts decorator that flce knows run on its experts (``moe_blocks``)."""
 
     loss_options: dict = field(default_factory=dict)
     materialize_logits: bool | None = None
