@@ -181,3 +181,14 @@ def test_tokens_all_on_identity_experts_leave_the_routed_weights_without_gradien
     assert_close(got_out, want_out, TOL[torch.float64], "output")
     assert got[2] is None and got[3] is None and want[2] is None and want[3] is None
     assert_close(got[1], want[1], TOL[torch.float64], "grad weights")
+
+
+def test_wrapped_classes_are_not_taken_for_decorated_experts():
+    """A class this module wraps (functools.wraps gives it ``__wrapped__``, as transformers' decorator does) is not
+    an experts module the "flce" backend dispatches."""
+    from flce.patches.moe import experts_modules
+
+    holder = torch.nn.Module()
+    holder.experts = make_longcat_experts()
+    moe_blocks.enable(holder.experts)
+    assert hasattr(type(holder.experts).forward, "__wrapped__") and experts_modules(holder) == []

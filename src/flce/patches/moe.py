@@ -73,7 +73,7 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
     """The experts modules that transformers dispatches by implementation: a 3-D ``down_proj``, a forward wrapped by
     its experts decorator (not by ``moe_blocks``); a shared expert of the same shape is called directly."""
     return [m for m in model.modules() if getattr(getattr(m, "down_proj", None), "ndim", 0) == 3
-            and hasattr(type(m).forward, "__wrapped__") and not moe_blocks.routed(type(m))]
+            and hasattr(type(m).forward, "__wrapped__") and not moe_blocks.wrapped_here(type(m))]
 
 
 def restore_experts(model: nn.Module) -> None:

@@ -137,9 +137,10 @@ def _traced(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def routed(experts_cls: type) -> bool:
-    """Whether this experts class's forward is wrapped here (it then takes ``RoutedTokens``)."""
-    return getattr(experts_cls.forward, "__flce_routed__", False)
+def wrapped_here(cls: type) -> bool:
+    """Whether this class's forward is one of this module's wrappers (a form's class, or a block's experts' class,
+    which then takes ``RoutedTokens``)."""
+    return getattr(cls.forward, "__flce_moe_blocks__", False)
 
 
 def routed_experts(module: nn.Module, routed: RoutedTokens) -> torch.Tensor:
@@ -168,10 +169,9 @@ def _install(module: nn.Module) -> None:
         cls.forward = _dispatching(cls.forward, ours, lambda self, args: getattr(self, _FLAG))
         setattr(cls, _FLAG, False)
     experts_cls = type(_experts_module(module)) if isinstance(FORMS[cls.__name__], BlockForm) else None
-    if experts_cls is not None and not routed(experts_cls):
+    if experts_cls is not None and not wrapped_here(experts_cls):
         experts_cls.forward = _dispatching(experts_cls.forward, routed_experts,
                                            lambda self, args: len(args) > 0 and isinstance(args[0], RoutedTokens))
-        experts_cls.forward.__flce_routed__ = True
 
 
 def _dispatching(forward, sparse, takes):
@@ -181,6 +181,7 @@ def _dispatching(forward, sparse, takes):
             return sparse(self, *args, **kwargs)
         return forward(self, *args, **kwargs)
 
+    dispatch.__flce_moe_blocks__ = True
     return dispatch
 
 
