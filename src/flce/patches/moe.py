@@ -37,6 +37,10 @@ def select_experts(model: nn.Module, settings: PatchSettings) -> None:
         restore_experts(model)
         return
     if _PREVIOUS in model.__dict__:
+        if model not in _SWITCHED:  # a copy or a reload: in a new process its modules' classes are not wrapped yet
+            for block in _sparse_blocks(model):
+                moe_blocks.enable(block)
+            _SWITCHED.add(model)
         return
     previous = _current(model)
     if has_experts_backend(model):

@@ -22,7 +22,8 @@ else x). flce computes the routed ones (ids beyond them are dropped) and adds x 
 ``FORMS`` lists the classes by name, with what differs between them. Before a class's first use flce builds a tiny
 one on the CPU and checks that the class's own forward and flce's agree (``_agrees``), so a class that changes under
 the same name keeps its forward. The switch is a flag on the module, which a wrapper of its class's forward reads;
-every unflagged module runs the class's own forward (``enable`` / ``disable``).
+every unflagged module runs the class's own forward (``enable`` / ``disable``). A model saved whole keeps the flags
+but not the wrapped classes: in another process, patching it again (or the first call of a patched class) wraps them.
 """
 
 from __future__ import annotations
