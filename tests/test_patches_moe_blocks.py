@@ -223,3 +223,8 @@ def test_a_model_saved_whole_switches_again_when_patched_in_a_new_process():
         for cls, forward in zip(classes, wrapped):
             cls.forward = forward
         llama4.Llama4TextMoe._flce_sparse_experts = False
+
+
+def test_the_class_check_runs_on_the_cpu_whatever_the_default_device():
+    with torch.device("meta"):  # e.g. a model built under a device context, patched inside it
+        assert moe_blocks._tiny_agrees(llama4.Llama4TextMoe, moe_blocks.FORMS["Llama4TextMoe"], tiny_config(1))

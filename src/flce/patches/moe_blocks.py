@@ -222,10 +222,9 @@ def _tiny_agrees(cls: type, form, config) -> bool:
     try:
         for name, value in form.tiny_config:
             setattr(tiny_config, name, value)
-        with torch.device("cpu"):
+        with torch.device("cpu"), torch.no_grad():  # whatever the caller's default device
             module = cls(tiny_config).float()
-        _install(module)
-        with torch.no_grad():
+            _install(module)
             for p in module.parameters():
                 p.copy_(torch.randn(p.shape, generator=generator))
             inputs = _tiny_inputs(module, form, generator)
