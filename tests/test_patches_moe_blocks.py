@@ -194,9 +194,10 @@ def test_wrapped_classes_are_not_taken_for_decorated_experts():
     assert hasattr(type(holder.experts).forward, "__wrapped__") and experts_modules(holder) == []
 
 
-def test_a_model_saved_whole_switches_again_when_patched_in_a_new_process():
-    """torch.save keeps each module's flag, not the wrapped classes of the process that saved it: patching the loaded
-    model (its previous implementation already recorded) wraps them again."""
+@pytest.mark.parametrize("patch_again", [False, True])
+def test_a_model_saved_whole_computes_through_flce_where_it_is_loaded(patch_again):
+    """torch.save keeps each module's flag, and loading it in a process whose classes are as transformers defines them
+    wraps them again (``WrappedClasses``); patching the loaded model again changes nothing."""
     import io
 
     from hf_tiny import tiny_batch, tiny_model
@@ -208,12 +209,13 @@ def test_a_model_saved_whole_switches_again_when_patched_in_a_new_process():
     classes = (llama4.Llama4TextMoe, llama4.Llama4TextExperts)
     wrapped = [cls.forward for cls in classes]
     try:
-        for cls in classes:  # a new process: the classes as transformers defines them
+        for cls in classes:  # another process: the classes as transformers defines them
             cls.forward = cls.forward.__wrapped__
         del llama4.Llama4TextMoe._flce_sparse_experts
         blob.seek(0)
         loaded = torch.load(blob, weights_only=False)
-        flce.apply_flce_patch(loaded)
+        if patch_again:
+            flce.apply_flce_patch(loaded)
         kinds = []
         for block in (m for m in loaded.modules() if isinstance(m, llama4.Llama4TextMoe)):
             block.experts.register_forward_hook(lambda module, args, out: kinds.append(type(args[0])))

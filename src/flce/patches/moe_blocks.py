@@ -23,7 +23,7 @@ else x). flce computes the routed ones (ids beyond them are dropped) and adds x 
 one on the CPU and checks that the class's own forward and flce's agree (``_agrees``), so a class that changes under
 the same name keeps its forward. The switch is a flag on the module, which a wrapper of its class's forward reads;
 every unflagged module runs the class's own forward (``enable`` / ``disable``). A model saved whole keeps the flags
-but not the wrapped classes: in another process, patching it again (or the first call of a patched class) wraps them.
+and wraps the classes again where it is loaded (``WrappedClasses``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from .. import experts
 from ..import_hooks import compile_disabled
 from ..kernels.experts_torch import SWIGLU
 
-_FLAG = "_flce_sparse_experts"  # on a switched block (and False on its class, once wrapped)
+_FLAG = "_flce_sparse_experts"  # on a switched module (and False on its class, once wrapped)
+_CLASSES = "_flce_wrapped_classes"  # on a switched module: its WrappedClasses
 
 
 @dataclass(frozen=True)
@@ -88,15 +89,33 @@ class RoutedTokens:
     index: torch.Tensor
 
 
+class WrappedClasses:
+    """Kept on a switched module beside its flag, the classes whose forwards it needs wrapped: unpickled (a model saved
+    whole, loaded in another process) or deep-copied, it wraps them (``_wrap``)."""
+
+    def __init__(self, classes: tuple[type, type | None]) -> None:
+        self.classes = classes
+
+    def __reduce__(self):
+        return _rewrapped, (self.classes,)
+
+
+def _rewrapped(classes: tuple[type, type | None]) -> WrappedClasses:
+    _wrap(*classes)
+    return WrappedClasses(classes)
+
+
 def enable(module: nn.Module) -> None:
     """Compute ``module`` through flce's experts (its class's forward, and a block's experts', wrapped once)."""
-    _install(module)
+    classes = _install(module)
     setattr(module, _FLAG, True)
+    module.__dict__[_CLASSES] = WrappedClasses(classes)
 
 
 def disable(module: nn.Module) -> None:
     """Give ``module`` its class's own forward back."""
     module.__dict__.pop(_FLAG, None)
+    module.__dict__.pop(_CLASSES, None)
 
 
 def enabled(module: nn.Module) -> bool:
@@ -161,15 +180,21 @@ def _experts_module(block: nn.Module) -> nn.Module | None:
     return module
 
 
-def _install(module: nn.Module) -> None:
-    """Wrap the forwards of the module's class and (a block) of its experts' class, once each: a flagged module and
-    an experts module handed ``RoutedTokens`` take flce's path, every other call the class's own forward."""
+def _install(module: nn.Module) -> tuple[type, type | None]:
+    """``_wrap`` the module's class and (a block) its experts' class; returns the two (None: no experts class)."""
     cls = type(module)
+    experts_cls = type(_experts_module(module)) if isinstance(FORMS[cls.__name__], BlockForm) else None
+    _wrap(cls, experts_cls)
+    return cls, experts_cls
+
+
+def _wrap(cls: type, experts_cls: type | None) -> None:
+    """Wrap the two classes' forwards, once each: a flagged module and an experts module handed ``RoutedTokens`` take
+    flce's path, every other call the class's own forward."""
     if _FLAG not in cls.__dict__:
         ours = sparse_forward if isinstance(FORMS[cls.__name__], BlockForm) else identity_experts_forward
         cls.forward = _dispatching(cls.forward, ours, lambda self, args: getattr(self, _FLAG))
         setattr(cls, _FLAG, False)
-    experts_cls = type(_experts_module(module)) if isinstance(FORMS[cls.__name__], BlockForm) else None
     if experts_cls is not None and not wrapped_here(experts_cls):
         experts_cls.forward = _dispatching(experts_cls.forward, routed_experts,
                                            lambda self, args: len(args) > 0 and isinstance(args[0], RoutedTokens))
