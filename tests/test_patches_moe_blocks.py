@@ -84,7 +84,7 @@ def test_a_block_class_that_computes_otherwise_keeps_its_forward():
     for cls, computed in ((other, False), (llama4.Llama4TextMoe, True)):
         holder = torch.nn.Module()
         holder.config, holder.block = tiny_config(1), make_block(tiny_config(1), cls=cls)
-        assert moe_blocks.sparse_blocks(holder) == ([holder.block] if computed else []), cls
+        assert moe_blocks.computed_modules(holder) == ([holder.block] if computed else []), cls
 
 
 def test_patched_model_never_runs_the_dense_experts():

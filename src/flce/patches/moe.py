@@ -28,7 +28,7 @@ _PREVIOUS = "_flce_patch_previous_experts"
 _MISSING = object()
 _SWITCHED: weakref.WeakSet = weakref.WeakSet()  # models switched here, for removing a class patch
 _COMPUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> has_experts_backend, found once
-_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ``moe_blocks`` modules flce computes
+_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ``moe_blocks`` modules flce computes
 
 
 def select_experts(model: nn.Module, settings: PatchSettings) -> None:
@@ -38,8 +38,8 @@ def select_experts(model: nn.Module, settings: PatchSettings) -> None:
         return
     if _PREVIOUS in model.__dict__:
         if model not in _SWITCHED:  # a copy or a reload: in a new process its modules' classes are not wrapped yet
-            for block in _sparse_blocks(model):
-                moe_blocks.enable(block)
+            for module in _computed_modules(model):
+                moe_blocks.enable(module)
             _SWITCHED.add(model)
         return
     previous = _current(model)
@@ -50,15 +50,15 @@ def select_experts(model: nn.Module, settings: PatchSettings) -> None:
                           f"{_current(model)!r} (pass use_flce_experts=False to silence this)", stacklevel=4)
             return
         model.set_experts_implementation(BACKEND_NAME)
-    for block in _sparse_blocks(model):
-        moe_blocks.enable(block)
+    for module in _computed_modules(model):
+        moe_blocks.enable(module)
     model.__dict__[_PREVIOUS] = previous
     _SWITCHED.add(model)
 
 
 def has_flce_experts(model: nn.Module) -> bool:
     """Whether flce computes ``model``'s experts: by the "flce" backend or through ``moe_blocks``."""
-    return has_experts_backend(model) or bool(_sparse_blocks(model))
+    return has_experts_backend(model) or bool(_computed_modules(model))
 
 
 def has_experts_backend(model: nn.Module) -> bool:
@@ -86,18 +86,18 @@ def restore_experts(model: nn.Module) -> None:
     _SWITCHED.discard(model)
     if previous is _MISSING:
         return
-    for block in _sparse_blocks(model):
-        moe_blocks.disable(block)
+    for module in _computed_modules(model):
+        moe_blocks.disable(module)
     if _current(model) == BACKEND_NAME:
         model.set_experts_implementation(previous)
 
 
-def _sparse_blocks(model: nn.Module) -> list[nn.Module]:
-    """``moe_blocks.sparse_blocks``, found at the first call."""
-    blocks = _BLOCKS.get(model)
-    if blocks is None:
-        blocks = _BLOCKS[model] = moe_blocks.sparse_blocks(model)
-    return blocks
+def _computed_modules(model: nn.Module) -> list[nn.Module]:
+    """``moe_blocks.computed_modules``, found at the first call."""
+    modules = _MODULES.get(model)
+    if modules is None:
+        modules = _MODULES[model] = moe_blocks.computed_modules(model)
+    return modules
 
 
 def switched_models(cls: type) -> Iterator[nn.Module]:

@@ -72,7 +72,7 @@ FORMS: dict[str, BlockForm | IdentityExpertsForm] = {"Llama4TextMoe": BlockForm(
 _CHECKED: dict[type, bool] = {}  # class -> whether its forward agrees with flce's (``_agrees``)
 
 
-def sparse_blocks(model: nn.Module) -> list[nn.Module]:
+def computed_modules(model: nn.Module) -> list[nn.Module]:
     """The model's modules of ``FORMS``, if flce computes every one of them (else none)."""
     modules = [m for m in model.modules() if type(m).__name__ in FORMS]
     config = getattr(model, "config", None)
@@ -191,7 +191,7 @@ def _install(module: nn.Module) -> tuple[type, type | None]:
 def _wrap(cls: type, experts_cls: type | None) -> None:
     """Wrap the two classes' forwards, once each: a flagged module and an experts module handed ``RoutedTokens`` take
     flce's path, every other call the class's own forward."""
-    if _FLAG not in cls.__dict__:
+    if not wrapped_here(cls):
         ours = sparse_forward if isinstance(FORMS[cls.__name__], BlockForm) else identity_experts_forward
         cls.forward = _dispatching(cls.forward, ours, lambda self, args: getattr(self, _FLAG))
         setattr(cls, _FLAG, False)
