@@ -23,10 +23,26 @@ def reference_logits(x, weight, linear_bias=None, temperature=1.0, softcap=None)
     logits = x64 @ w64.T
     if b64 is not None:
         logits = logits + b64
+    return capped(logits, temperature, softcap), leaves
+
+
+def capped(logits, temperature=1.0, softcap=None):
+    """The logits after temperature, then softcap."""
     z = logits / temperature
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    return z, leaves
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
+def logits_leaf(x, weight, linear_bias, dtype: torch.dtype) -> torch.Tensor:
+    """x @ weight^T + linear_bias (..., V) in float64 as a leaf that requires grad: computed in ``dtype`` and rounded
+    once to it, as eager PyTorch has the logits (float64: exact). ``linear_grads`` carries its gradient on."""
+    args = (t.detach().to(dtype) if t is not None else None for t in (x, weight, linear_bias))
+    return F.linear(*args).double().requires_grad_()
+
+
+def linear_grads(dz, x, weight) -> tuple:
+    """(input, weight, bias) gradients in float64 from dloss/dlogits dz (..., V) of x @ weight^T + bias."""
+    dz2, x64 = dz.flatten(0, -2), x.detach().double().flatten(0, -2)
+    return (dz2 @ weight.detach().double()).reshape(x.shape), dz2.T @ x64, dz2.sum(0)
 
 
 def reference_loss(x, weight, target, *, linear_bias=None, weight_cls=None, reduction="mean",
@@ -34,7 +50,14 @@ def reference_loss(x, weight, target, *, linear_bias=None, weight_cls=None, redu
                    num_items_in_batch=None):
     """Loss in float64 on float64 copies of the (leaf) inputs; returns (loss, leaves)."""
     z, leaves = reference_logits(x, weight, linear_bias, temperature, softcap)
-    vocab = weight.shape[0]
+    return loss_of_logits(z, target, weight_cls=weight_cls, reduction=reduction, ignore_index=ignore_index,
+                          label_smoothing=label_smoothing, z_loss=z_loss, num_items_in_batch=num_items_in_batch), leaves
+
+
+def loss_of_logits(z, target, *, weight_cls=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
+                   z_loss=0.0, num_items_in_batch=None):
+    """``reference_loss`` from float64 logits z (..., V), after temperature and softcap."""
+    vocab = z.shape[-1]
     z2, t1 = z.reshape(-1, vocab), target.reshape(-1).long()
     cw = weight_cls.double() if weight_cls is not None else None
     rows = F.cross_entropy(z2, t1, weight=cw, ignore_index=ignore_index, label_smoothing=label_smoothing,
@@ -43,14 +66,14 @@ def reference_loss(x, weight, target, *, linear_bias=None, weight_cls=None, redu
     if z_loss:
         rows = rows + z_loss * torch.logsumexp(z2, 1).square() * valid
     if reduction == "none":
-        return rows.reshape(target.shape), leaves
+        return rows.reshape(target.shape)
     total = rows.sum()
     if num_items_in_batch is not None:
-        return total / float(num_items_in_batch), leaves
+        return total / float(num_items_in_batch)
     if reduction == "sum":
-        return total, leaves
+        return total
     denom = cw[t1[valid]].sum() if cw is not None else valid.sum().double()
-    return (total / denom if denom != 0 else total * 0.0), leaves
+    return total / denom if denom != 0 else total * 0.0
 
 
 def peaked_case(n: int, hidden: int, vocab: int, dtype: torch.dtype, device, bias: bool = False,

@@ -45,6 +45,19 @@ def test_options_and_reductions(backend, device, blocks, name, reduction):
     check(backend, torch.float32, device, reduction=reduction, chunk_size=8, **dict(OPTION_SETS[name]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_small_batch_lse_of_the_logits_backward_recomputes(backend, device, wide_logits, dtype):
+    """Below the fused GEMM's rows backward recomputes 16-bit logits, so forward keeps its small single chunk's
+    logits in 16 bits too (no float32 logits: ``function.wide_logits``): with V = 1 every p is exp(z - lse) = 1
+    and every gradient an exact 0 (float32 logits in forward once left |z| / 256 in each)."""
+    x = torch.randn(5, 64, device=device).to(dtype).requires_grad_()
+    w = torch.randn(1, 64, device=device).to(dtype).requires_grad_()
+    loss = flce.linear_cross_entropy(x, w, torch.zeros(5, dtype=torch.long, device=device), backend=backend,
+                                     low_memory=True)
+    loss.backward(torch.tensor(0.77, device=device))
+    assert loss.item() == 0.0 and not x.grad.any() and not w.grad.any()
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dtypes(backend, device, blocks, dtype, reduction):

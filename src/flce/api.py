@@ -167,7 +167,7 @@ def linear_cross_entropy(
         pending = _TargetCheck(t, counts, vocab, opts.ignore_index, target)
         if kernel_counts is None:
             pending.start()
-    spec = LoopSpec(opts, plan, dtype, backend, return_stats, kernel_counts)
+    spec = LoopSpec(opts, plan, dtype, backend, return_stats, kernel_counts, wide_logits=not low_memory)
     if grad:
         function = LowMemoryFunction if low_memory else LinearCrossEntropyFunction
         loss, lse, correct = function.apply(

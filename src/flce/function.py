@@ -100,7 +100,9 @@ class LoopSpec(NamedTuple):
     single deferred chunk, which the CE kernel then finishes itself (``kernels.ce_chunk``): it counts
     the targets into them and writes grad_scale (an output then) and the mean. ``entry``: the public
     function, named in errors. ``exp_path``: False keeps every chunk on the standard path (the exp-logits
-    path's form depends on a device count, which a custom op's fixed outputs cannot follow)."""
+    path's form depends on a device count, which a custom op's fixed outputs cannot follow). ``wide_logits``:
+    False keeps a small single chunk's logits in the compute dtype (``wide_logits``): the low-memory mode's
+    backward recomputes them so below the fused GEMM's rows, and its dz must see the logits its lse saw."""
 
     opts: LossOptions
     plan: ChunkPlan
@@ -110,6 +112,7 @@ class LoopSpec(NamedTuple):
     counts: torch.Tensor | None = None
     entry: str = "flce.linear_cross_entropy"
     exp_path: bool = True
+    wide_logits: bool = True
 
 
 class LoopMemory(NamedTuple):
@@ -249,7 +252,7 @@ def chunk_loop(
                                                 _take(grads.input, rows), plan.input_product_cols, grads.weight,
                                                 i > 0, grads.bias, sums_scale=ce_scale, check=i == last_exp)
                 continue
-        logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend, wide=True)
+        logits, tile_stats = chunk_logits(x_c, w, bias, out, opts, backend, wide=spec.wide_logits)
         parts.exact_lse &= tile_stats is not None
         dl = dlogits_buffer(logits, compute_dtype, backend) if grad else logits
         ce_chunk(backend, logits, _take(target, rows), _take(parts.loss, rows), _take(parts.lse, rows),
