@@ -311,11 +311,15 @@ def test_gpu_random_cases(n, hidden, vocab, lead, chunk, ignore, bias, class_wei
     ref.backward(grad_out)
     scales = rounding_scales(x, w, b, t, cw, items, grad_out, opts)
     eager_grads = eager_rounding(x, w, b, t, cw, items, gemm, opts, grad_out)
+    # An exact 0 (V = 1) comes out as a few ulps of the logits per row (two computations of z), which a plain sum
+    # adds up over its rows.
+    z_max = logits_leaf(x, w, b, torch.float64).detach().abs().max().item() / opts["temperature"] if t.numel() else 0
+    noise = GRAD_TOL[gemm] / 100 * loss_unit(t, opts["reduction"], items) * (1.0 + z_max)
     for got, leaf, scale, rounded, name in zip((x, w, b), ref_leaves, scales, eager_grads,
                                                ("input", "weight", "bias")):
         if got is not None and got.requires_grad:
             assert got.grad.dtype == got.dtype
-            allowed = 2 * (rounded - leaf.grad).norm().item() + GRAD_TOL[gemm] / 100
+            allowed = 2 * (rounded - leaf.grad).norm().item() + noise
             assert_grad_close(got.grad, leaf.grad, GRAD_TOL[gemm], scale, f"grad_{name}", atol=allowed)
 
 

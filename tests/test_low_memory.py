@@ -498,6 +498,21 @@ def test_end_to_end_with_the_hopper_gemms(fused, blocks, monkeypatch, reduction)
 
 
 @needs_triton
+def test_frozen_input_lse_from_the_statistics_gemm(fused, loss_only_runs):
+    """A frozen input (only the head trains): forward computes the loss alone, the lse from the statistics of the
+    unrounded logits (``loss_only``), so backward's blocks must not round the logits they recompute either. With
+    V = 1, p = exp(z - lse) = 1 and grad_weight an exact 0 (rounded logits once left |z| / 256 of it per row)."""
+    dtype = torch.bfloat16 if ON_HOPPER else torch.float16
+    x = torch.randn(40, 32, device=DEVICE).to(dtype)
+    w = torch.randn(1, 32, device=DEVICE).to(dtype).requires_grad_()
+    loss = flce.linear_cross_entropy(x, w, torch.zeros(40, dtype=torch.long, device=DEVICE), low_memory=True,
+                                     backend="triton")
+    loss.backward()
+    assert loss_only_runs == [40] and len(fused) == 1
+    assert abs(loss.item()) <= 1e-6 and w.grad.abs().max() <= 1e-6  # float32 statistics against a recomputation
+
+
+@needs_triton
 def test_hopper_gemms_on_borrowed_blocks(fused, borrowed):
     """The fused block GEMM writes dlogits into grad_weight's rows that later blocks write (TMA stores into a
     view of the gradient's storage)."""

@@ -74,8 +74,9 @@ class LossParts:
     lse: torch.Tensor
     correct: torch.Tensor | None
     total: torch.Tensor | None = None  # the reduced loss, when the CE kernel finished the mean itself
-    # Every chunk's lse came from its logits unrounded (the exp-logits path) or stored less their tile max
-    # (``logits_triton``): a kernel that recomputes the logits should not round them (the low-memory blocks).
+    # Every chunk's lse came from its logits unrounded (the exp-logits path, the statistics-only GEMM of
+    # ``loss_only``) or stored less their tile max (``logits_triton``): a kernel that recomputes the logits
+    # should not round them (the low-memory blocks).
     exact_lse: bool = False
 
 
@@ -207,6 +208,7 @@ def chunk_loop(
     if not grad and not want_correct and loss_only.try_run(x, w, bias, target, class_weight, opts, parts.loss,
                                                            parts.lse, compute_dtype=compute_dtype, backend=backend,
                                                            chunk_rows=plan.rows):
+        parts.exact_lse = True  # statistics of the unrounded logits
         return parts, grads
     # One chunk: its GEMM allocates the logits (small batches are launch-bound: one host call fewer).
     buffer = memory.buffer if memory is not None else padded_rows(
