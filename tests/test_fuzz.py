@@ -3,7 +3,8 @@
 The core loss (also in its low-memory mode), the grouped loss (every group_reduction) and float64
 inputs (float64 arithmetic, held to float64 rounding). Triton runs under the interpreter on a CPU, so
 shapes stay small; the example counts come from the hypothesis profile (tests/conftest.py: "default",
-deterministic, or HYPOTHESIS_PROFILE=thorough, random).
+deterministic, or HYPOTHESIS_PROFILE=thorough, random). On a GPU the ``test_gpu_*`` cases take GPU-sized
+shapes, which reach the paths a CPU never runs; FLCE_GPU_FUZZ_EXAMPLES sets their count (40).
 """
 
 import os
