@@ -70,17 +70,18 @@ def rounding_scales(x, w, b, t, cw, items, grad_out, opts) -> list:
     low-precision method, not to its own small norm. dz: float64 dloss/dlogits (logits before bias and
     temperature)."""
     leaf = logits_leaf(x, w, b, torch.float64)
-    ref = loss_of_logits(capped(leaf, opts["temperature"], opts["softcap"]), t, weight_cls=cw,
-                         num_items_in_batch=items, **unscaled(opts))
+    ref = loss_of_leaf(leaf, t, cw, items, opts)
     dz = torch.autograd.grad(ref, leaf, grad_out, materialize_grads=True)[0].flatten(0, -2)
     x64, w64, dz2 = x.detach().double().flatten(0, -2), w.detach().double(), dz.square()
     return [(dz2 @ w64.square().sum(1)).sum().sqrt().item(),
             (dz2.sum(1) @ x64.square().sum(1)).sqrt().item(), dz.norm().item()]
 
 
-def unscaled(opts: dict) -> dict:
-    """The loss options but temperature and softcap (``loss_of_logits``'s)."""
-    return {k: v for k, v in opts.items() if k not in ("temperature", "softcap")}
+def loss_of_leaf(leaf, t, cw, items, opts: dict):
+    """The float64 reference loss of logits ``leaf`` (before temperature and softcap, ``reference.logits_leaf``)."""
+    rest = {k: v for k, v in opts.items() if k not in ("temperature", "softcap")}
+    z = capped(leaf, opts["temperature"], opts["softcap"])
+    return loss_of_logits(z, t, weight_cls=cw, num_items_in_batch=items, **rest)
 
 
 def assert_grad_close(got, want, tol, floor, what, atol=0.0):
@@ -339,8 +340,7 @@ def eager_rounding(x, w, b, t, cw, items, gemm_dtype, opts, grad_out=None):
     """The float64 reference computed from the logits as eager PyTorch has them (``logits_leaf``): its loss, or with
     ``grad_out`` its (input, weight, bias) gradients, through the rounding as if it were none."""
     leaf = logits_leaf(x, w, b, gemm_dtype)
-    loss = loss_of_logits(capped(leaf, opts["temperature"], opts["softcap"]), t, weight_cls=cw,
-                          num_items_in_batch=items, **unscaled(opts))
+    loss = loss_of_leaf(leaf, t, cw, items, opts)
     if grad_out is None:
         return loss.detach()
     return linear_grads(torch.autograd.grad(loss, leaf, grad_out, materialize_grads=True)[0], x, w)
