@@ -3,7 +3,9 @@ activation form (clamp, GPT-OSS's gate and biases, softcaps, ungated relu2) agai
 experts; its GEMM / elementwise paths, routing edge cases, dispatch and graph safety."""
 
 import math
+import os
 
+import hypothesis
 import pytest
 import torch
 from hypothesis import given, settings
@@ -751,6 +753,36 @@ def test_gpu_mixtral_shapes_as_precise_as_eager(gemm):
     eager = [out_e, *torch.autograd.grad(out_e, (xe, we, module.gate_up_proj, module.down_proj), grad.to(out_e.dtype))]
     for name, g, e, r in zip(("out", "x", "weights", "gate_up", "down"), got, eager, ref):
         assert rel_err(g, r) <= max(1.5 * rel_err(e, r), 4e-3), name
+
+
+@pytest.mark.gpu
+@settings(deadline=None, max_examples=int(os.environ.get("FLCE_GPU_FUZZ_EXAMPLES", "40")))
+@given(tokens=st.one_of(st.sampled_from([0, 1, 16, 255, 1024, 3000]), st.integers(0, 3000)),
+       hidden=st.sampled_from([64, 100, 256, 1024]), inter=st.sampled_from([64, 96, 512, 1000]),
+       experts=st.integers(1, 64), top_k=st.integers(1, 8), case=st.sampled_from(CASES),
+       form=st.sampled_from(["swiglu", "swiglu", *sorted(FORMS)]), gemm=st.sampled_from(GPU_PATHS),
+       dtype=st.sampled_from([torch.bfloat16, torch.bfloat16, torch.float16, torch.float32]),
+       stored_transposed=st.booleans(), frozen=st.sampled_from(["none", "none", "x", "weights"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_gpu_random_experts(tokens, hidden, inter, experts, top_k, case, form, gemm, dtype, stored_transposed, frozen,
+                            seed):
+    """GPU-sized experts layers on every GEMM path: shapes off the kernels' tiles, 1-64 experts, any routing case,
+    every gate form, weights stored either way, a frozen input or frozen experts; against the float64 loop."""
+    top_k = min(top_k, experts)
+    hypothesis.assume((case != "empty_expert" or experts > top_k) and (case != "one_expert" or experts > 1)
+                      and (case != "dropped" or tokens > 0))
+    hypothesis.assume(_gpu_path_ok(gemm, dtype))
+    torch.manual_seed(seed)
+    if form == "swiglu":
+        tensors, kwargs = make_case(tokens, hidden, inter, experts, top_k, dtype, "cuda", case), {}
+    else:
+        tensors, kwargs = form_case(form, tokens, hidden, inter, experts, top_k, dtype, "cuda", case)
+    x, ids, weights, gate_up, down = tensors
+    if frozen == "x":
+        x.requires_grad_(False)
+    elif frozen == "weights":
+        gate_up.requires_grad_(False), down.requires_grad_(False)
+    check(x, ids, weights, gate_up, down, TOL[dtype], stored_transposed=stored_transposed, gemm=gemm, **kwargs)
 
 
 @pytest.mark.gpu
