@@ -135,9 +135,13 @@ def check(x, ids, weights, gate_up, down, tol, stored_transposed=False, layer=No
     names = ("x", "weights", "gate_up", "down", *biases)
     names, want, leaves = zip(*[(n, w, leaf) for n, w, leaf in zip(names, want, leaves) if leaf.requires_grad])
     got = torch.autograd.grad(out, leaves, grad.to(out.dtype))
+    # A routing weight's gradient is a dot of its expert's output with grad_output (H terms of either sign): held to
+    # the scale of such dots, not to its own norm, which cancellation may leave far below them (one token, top-1).
+    dots = (ref.detach().norm(dim=-1) * grad.norm(dim=-1)).norm().item() * (ids.shape[-1] / max(x.shape[-1], 1)) ** 0.5
     for name, g, w, leaf in zip(names, got, want, leaves):
         assert g.dtype == leaf.dtype and g.shape == leaf.shape and (g.is_contiguous() or not stored_transposed), name
-        assert_close(g, w, tol, f"grad {name}")
+        err = (g.detach().double() - w).norm().item()
+        assert not g.isnan().any() and err <= tol * max(w.norm().item(), dots if name == "weights" else 0.0), name
 
 
 CASES = ["random", "empty_expert", "one_expert", "dropped"]
@@ -757,21 +761,22 @@ def test_gpu_mixtral_shapes_as_precise_as_eager(gemm):
 
 @pytest.mark.gpu
 @settings(deadline=None, max_examples=int(os.environ.get("FLCE_GPU_FUZZ_EXAMPLES", "40")))
-@given(tokens=st.one_of(st.sampled_from([0, 1, 16, 255, 1024, 3000]), st.integers(0, 3000)),
+@given(tokens=st.one_of(st.sampled_from([0, 1, 16, 255, 1024, 2000]), st.integers(0, 2000)),
        hidden=st.sampled_from([64, 100, 256, 1024]), inter=st.sampled_from([64, 96, 512, 1000]),
-       experts=st.integers(1, 64), top_k=st.integers(1, 8), case=st.sampled_from(CASES),
+       experts=st.integers(1, 32), top_k=st.integers(1, 8), case=st.sampled_from(CASES),
        form=st.sampled_from(["swiglu", "swiglu", *sorted(FORMS)]), gemm=st.sampled_from(GPU_PATHS),
        dtype=st.sampled_from([torch.bfloat16, torch.bfloat16, torch.float16, torch.float32]),
        stored_transposed=st.booleans(), frozen=st.sampled_from(["none", "none", "x", "weights"]),
        seed=st.integers(0, 2**31 - 1))
 def test_gpu_random_experts(tokens, hidden, inter, experts, top_k, case, form, gemm, dtype, stored_transposed, frozen,
                             seed):
-    """GPU-sized experts layers on every GEMM path: shapes off the kernels' tiles, 1-64 experts, any routing case,
+    """GPU-sized experts layers on every GEMM path: shapes off the kernels' tiles, 1-32 experts, any routing case,
     every gate form, weights stored either way, a frozen input or frozen experts; against the float64 loop."""
     top_k = min(top_k, experts)
     hypothesis.assume((case != "empty_expert" or experts > top_k) and (case != "one_expert" or experts > 1)
                       and (case != "dropped" or tokens > 0))
-    hypothesis.assume(_gpu_path_ok(gemm, dtype))
+    aligned = all(n * dtype.itemsize % 16 == 0 for n in (hidden, inter))  # else a forced TMA path refuses (ValueError)
+    hypothesis.assume(_gpu_path_ok(gemm, dtype) and (aligned or gemm != "triton_tma"))
     torch.manual_seed(seed)
     if form == "swiglu":
         tensors, kwargs = make_case(tokens, hidden, inter, experts, top_k, dtype, "cuda", case), {}
