@@ -9,8 +9,11 @@ import textwrap
 
 import pytest
 import torch
-from conftest import DEVICE, HOPPER_DTYPE
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from conftest import BACKENDS, DEVICE, HOPPER_DTYPE
 from reference import TOL, assert_close, assert_loss_close, reference_loss, rel_err, row_case
+from test_fuzz import options as fuzz_options
 
 import flce
 from flce import exp_logits, loss_op
@@ -327,3 +330,30 @@ def test_gpu_bad_target_in_a_cuda_graph_stops_the_process():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert "captured" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
     assert "no error" not in done.stdout and done.returncode != 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+@settings(deadline=None, max_examples=12)  # opcheck runs each op several ways: about a second a case here
+@given(n=st.integers(0, 24), hidden=st.integers(1, 16), vocab=st.integers(1, 60),
+       chunk=st.sampled_from([None, 1, 5, 8]), bias=st.booleans(), class_weight=st.booleans(), opts=fuzz_options,
+       num_items=st.sampled_from([None, None, 13.0, "tensor"]), accum=st.sampled_from([None, torch.float32]),
+       cast=st.booleans(), needs=st.lists(st.booleans(), min_size=3, max_size=3),
+       backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**16))
+def test_the_ops_pass_opcheck_on_random_cases(n, hidden, vocab, chunk, bias, class_weight, opts, num_items, accum, cast,
+                                              needs, backend, seed):
+    """``test_the_ops_pass_opcheck`` over random shapes, options, chunkings, casts and gradient masks: the fake
+    implementations lay out what the real ops return in every case."""
+    dtype = torch.float32 if backend == "torch" else torch.float16
+    x, w, b, t = _case(n, hidden, vocab, dtype, bias, seed)
+    cw = torch.rand(vocab, device=DEVICE) + 0.5 if class_weight else None
+    items = None if opts["reduction"] == "none" else num_items
+    tensor_items = torch.tensor(13.0, device=DEVICE) if items == "tensor" else None
+    options = (-100, opts["label_smoothing"], opts["z_loss"], opts["softcap"], opts["temperature"], opts["reduction"],
+               chunk, accum, torch.float16 if cast else dtype, backend, True)
+    needs = [need and leaf is not None for need, leaf in zip(needs, (x, w, b))]
+    args = (x, w, b, t, cw, tensor_items, None if tensor_items is not None else items, *options, needs)
+    torch.library.opcheck(loss_op._forward_op, args)
+    if not any(needs):
+        return
+    loss, *kept = loss_op._forward_op(*args)
+    inputs = [a.detach() if a is not None else None for a in (torch.rand_like(loss) + 0.5, x, w, b, t, cw, *kept)]
+    torch.library.opcheck(loss_op._backward_op, (*inputs, *options, needs))
