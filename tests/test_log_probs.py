@@ -12,7 +12,7 @@ from reference import (TOL, assert_close, capped, count_172_case, errors_in_roun
                        logits_seen, peaked_case, poisoned_padded_copy, reference_logits, rel_err)
 
 import flce
-from conftest import DEVICE, HOPPER_DTYPE
+from conftest import BACKENDS, DEVICE, HOPPER_DTYPE
 from flce import log_probs
 from flce.kernels import token_stats, token_stats_triton, triton_available
 
@@ -632,11 +632,38 @@ GPU_EXAMPLES = int(os.environ.get("FLCE_GPU_FUZZ_EXAMPLES", "40"))
 )
 def test_gpu_random_log_prob_steps(n, hidden, vocab, lead, chunk, ignore, bias, temperature, softcap, dtype, validate,
                                    outputs, steps, spread, seed):
+    """GPU-sized cases of ``_check_log_prob_steps``: the fused Hopper GEMM, float32 logits below 256 rows."""
+    hypothesis.assume(n * vocab * (2 if lead else 1) <= 4e7)
+    _check_log_prob_steps(n, hidden, vocab, lead, chunk, ignore, bias, temperature, softcap, dtype, validate, outputs,
+                          steps, spread, seed)
+
+
+@settings(deadline=None)
+@given(
+    n=st.integers(0, 40), hidden=st.integers(1, 24), vocab=st.integers(1, 300), lead=st.sampled_from([(), (2,)]),
+    chunk=st.sampled_from([None, 1, 8, 32]), ignore=st.sampled_from([0.0, 0.3, 1.0]),
+    bias=st.sampled_from(["none", "frozen", "trained"]), temperature=st.sampled_from([1.0, 0.7]),
+    softcap=st.sampled_from([None, 30.0]), dtype=st.sampled_from(["bf16", "fp16", "fp32", "autocast"]),
+    validate=st.booleans(),
+    outputs=st.sampled_from([FIELDS, ("log_probs",), ("log_probs", "entropy"), ("entropy", "is_top1")]),
+    steps=st.lists(st.sampled_from(["nll", "nll", "weighted", "entropy", "forward"]), min_size=3, max_size=3),
+    spread=st.sampled_from([1.0, 2.0, 8.0]), backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**31 - 1),
+)
+def test_random_log_prob_steps(n, hidden, vocab, lead, chunk, ignore, bias, temperature, softcap, dtype, validate,
+                               outputs, steps, spread, backend, seed):
+    """``_check_log_prob_steps`` on small cases, both backends (under the interpreter, which truncates 16-bit casts
+    where CUDA rounds, the Triton backend in float32)."""
+    hypothesis.assume(backend == "torch" or DEVICE.type == "cuda" or dtype == "fp32")
+    _check_log_prob_steps(n, hidden, vocab, lead, chunk, ignore, bias, temperature, softcap, dtype, validate, outputs,
+                          steps, spread, seed, backend)
+
+
+def _check_log_prob_steps(n, hidden, vocab, lead, chunk, ignore, bias, temperature, softcap, dtype, validate, outputs,
+                          steps, spread, seed, backend="auto"):
     """Three calls on one case, each with its own backward: a mean negative log-likelihood ("nll": the uniform
     grad_output after which the next call guesses and computes the gradients in forward), per-token weights,
     an entropy term too, or none; every field and gradient against the float64 reference, within the tolerance
     or twice the error of eager PyTorch's computation from the 16-bit logits it rounds."""
-    hypothesis.assume(n * vocab * (2 if lead else 1) <= 4e7)
     torch.manual_seed(seed)
     store = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     gemm = torch.bfloat16 if dtype == "autocast" else store
@@ -652,7 +679,7 @@ def test_gpu_random_log_prob_steps(n, hidden, vocab, lead, chunk, ignore, bias, 
         case = [None if a is None else a.detach().requires_grad_(a.requires_grad) for a in (x, w, b)]
         with torch.autocast(DEVICE.type, dtype=gemm, enabled=dtype == "autocast"):
             got = flce.linear_log_probs(*case[:2], t, linear_bias=case[2], outputs=outputs, chunk_size=chunk,
-                                        validate_target=validate, **opts)
+                                        validate_target=validate, backend=backend, **opts)
         for name in outputs:
             if name == "is_top1":
                 assert_top1(got.is_top1, want.is_top1, z, gemm, 0.0)
