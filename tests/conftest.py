@@ -20,6 +20,8 @@ for _name, _examples, _fixed in (("default", 30, True), ("thorough", 500, False)
     settings.register_profile(_name, max_examples=_examples, deadline=None, derandomize=_fixed,
                               suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+# The GPU fuzz (the ``test_gpu_random_*`` cases): GPU-sized shapes, which reach the paths a CPU never runs.
+GPU_FUZZ_EXAMPLES = int(os.environ.get("FLCE_GPU_FUZZ_EXAMPLES", "40"))
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BACKENDS = ["torch", "triton"] if triton_available(DEVICE) else ["torch"]

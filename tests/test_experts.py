@@ -3,14 +3,13 @@ activation form (clamp, GPT-OSS's gate and biases, softcaps, ungated relu2) agai
 experts; its GEMM / elementwise paths, routing edge cases, dispatch and graph safety."""
 
 import math
-import os
 
 import hypothesis
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from conftest import capture_graph
+from conftest import GPU_FUZZ_EXAMPLES, capture_graph
 from reference import TOL, assert_close, rel_err
 
 import flce
@@ -760,7 +759,7 @@ def test_gpu_mixtral_shapes_as_precise_as_eager(gemm):
 
 
 @pytest.mark.gpu
-@settings(deadline=None, max_examples=int(os.environ.get("FLCE_GPU_FUZZ_EXAMPLES", "40")))
+@settings(deadline=None, max_examples=GPU_FUZZ_EXAMPLES)
 @given(tokens=st.one_of(st.sampled_from([0, 1, 16, 255, 1024, 2000]), st.integers(0, 2000)),
        hidden=st.sampled_from([64, 100, 256, 1024]), inter=st.sampled_from([64, 96, 512, 1000]),
        experts=st.integers(1, 32), top_k=st.integers(1, 8), case=st.sampled_from(CASES),

@@ -7,7 +7,6 @@ deterministic, or HYPOTHESIS_PROFILE=thorough, random). On a GPU the ``test_gpu_
 shapes, which reach the paths a CPU never runs; FLCE_GPU_FUZZ_EXAMPLES sets their count (40).
 """
 
-import os
 from unittest import mock
 
 import hypothesis
@@ -20,7 +19,7 @@ from test_grouped_loss import grouped_reference
 
 import flce
 from flce import exp_logits
-from conftest import BACKENDS, DEVICE
+from conftest import BACKENDS, DEVICE, GPU_FUZZ_EXAMPLES
 
 options = st.fixed_dictionaries({
     "reduction": st.sampled_from(["mean", "sum", "none"]),
@@ -275,11 +274,10 @@ GPU_OPTIONS = st.fixed_dictionaries({
     "softcap": st.sampled_from([None, None, None, 30.0]),
     "temperature": st.sampled_from([1.0, 1.0, 0.7]),
 })
-GPU_EXAMPLES = int(os.environ.get("FLCE_GPU_FUZZ_EXAMPLES", "40"))
 
 
 @pytest.mark.gpu
-@settings(deadline=None, max_examples=GPU_EXAMPLES)
+@settings(deadline=None, max_examples=GPU_FUZZ_EXAMPLES)
 @given(
     n=st.one_of(st.sampled_from([1, 16, 17, 255, 256, 1023, 1024, 1536, 3000]), st.integers(0, 4200)),
     hidden=st.sampled_from([8, 64, 100, 128, 256, 1024]),
@@ -360,7 +358,7 @@ def eager_rounding(x, w, b, t, cw, items, gemm_dtype, opts, grad_out=None):
 
 
 @pytest.mark.gpu
-@settings(deadline=None, max_examples=GPU_EXAMPLES)
+@settings(deadline=None, max_examples=GPU_FUZZ_EXAMPLES)
 @given(
     B=st.one_of(st.sampled_from([1, 16, 256, 1024, 2000]), st.integers(0, 2500)), G=st.integers(1, 4),
     hidden=st.sampled_from([8, 64, 100, 256]),

@@ -1,8 +1,6 @@
 """flce.linear_log_probs against a float64 reference on materialized logits: every field, gradients of
 log_probs and entropy for random per-token grad_outputs, options, odd shapes, dtypes, both backends."""
 
-import os
-
 import hypothesis
 import pytest
 import torch
@@ -12,7 +10,7 @@ from reference import (TOL, assert_close, capped, count_172_case, errors_in_roun
                        logits_seen, peaked_case, poisoned_padded_copy, reference_logits, rel_err)
 
 import flce
-from conftest import BACKENDS, DEVICE, HOPPER_DTYPE
+from conftest import BACKENDS, DEVICE, GPU_FUZZ_EXAMPLES, HOPPER_DTYPE
 from flce import log_probs
 from flce.kernels import token_stats, token_stats_triton, triton_available
 
@@ -613,11 +611,8 @@ def test_peaked_logits_through_the_hopper_gemm(hopper_gemm_calls, chunk_size, so
     assert max(errors_in_roundings(grads, exact, HOPPER_DTYPE)) <= 2.5
 
 
-GPU_EXAMPLES = int(os.environ.get("FLCE_GPU_FUZZ_EXAMPLES", "40"))
-
-
 @pytest.mark.gpu
-@settings(deadline=None, max_examples=GPU_EXAMPLES)
+@settings(deadline=None, max_examples=GPU_FUZZ_EXAMPLES)
 @given(
     n=st.one_of(st.sampled_from([1, 16, 17, 255, 256, 1024, 3000]), st.integers(0, 3000)),
     hidden=st.sampled_from([8, 64, 100, 256, 1024]),
