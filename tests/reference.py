@@ -34,7 +34,9 @@ def capped(logits, temperature=1.0, softcap=None):
 
 def logits_leaf(x, weight, linear_bias, dtype: torch.dtype) -> torch.Tensor:
     """x @ weight^T + linear_bias (..., V) in float64 as a leaf that requires grad: computed in ``dtype`` and rounded
-    once to it, as eager PyTorch has the logits (float64: exact). ``linear_grads`` carries its gradient on."""
+    once to it, as eager PyTorch has the logits and flce's 16-bit chunks compute from them (float64: exact, as
+    flce's float32 logits of a small single chunk, ``function.wide_logits``). ``linear_grads`` carries its gradient
+    on."""
     args = (t.detach().to(dtype) if t is not None else None for t in (x, weight, linear_bias))
     return F.linear(*args).double().requires_grad_()
 
@@ -99,12 +101,6 @@ def poisoned_padded_copy(values: torch.Tensor) -> torch.Tensor:
     buf = gemm.padded_rows(n, vocab, values.dtype, values.device)
     buf.as_strided((n, buf.stride(0)), buf.stride()).fill_(float("nan"))
     return buf.copy_(values)
-
-
-def logits_seen(x: torch.Tensor, w: torch.Tensor, wide: bool) -> torch.Tensor:
-    """In float64, the logits x @ w^T that flce's chunk computes from: exact (``wide``: a small single chunk's
-    float32 logits, ``function.wide_logits``) or as the 16-bit GEMM rounds them."""
-    return (x.double() @ w.double().t() if wide else (x @ w.t()).double()).detach()
 
 
 def errors_in_roundings(got, exact, dtype: torch.dtype) -> list[float]:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import (TOL, assert_close, count_172_case, errors_in_roundings, logits_seen, peaked_case,
+from reference import (TOL, assert_close, count_172_case, errors_in_roundings, logits_leaf, peaked_case,
                        reference_loss, rel_err)
 
 import flce
@@ -91,7 +91,7 @@ def test_single_chunk_grad_input_rounds_once_whatever_grad_output(backend, devic
     t[torch.rand(n, device=device) < 0.2] = -100
     grads = torch.autograd.grad(flce.linear_cross_entropy(x, w, t, backend=backend) * g, (x, w))
     # The exact gradients of the logits flce computes from (their rounding is not under test here).
-    z = logits_seen(x, w, wide_logits).requires_grad_()
+    z = logits_leaf(x, w, None, torch.float64 if wide_logits else x.dtype)
     (dz,) = torch.autograd.grad(F.cross_entropy(z, t) * g, z)
     exact = [dz @ w.double(), dz.t() @ x.double()]  # grad_input, grad_weight
     rounding = [rel_err(e.to(torch.bfloat16), e) for e in exact]
@@ -140,7 +140,8 @@ def test_mean_scale_stays_out_of_the_rounded_dlogits(backend, device, chunk_size
     loss = flce.linear_cross_entropy(x, w, t, backend=backend, chunk_size=chunk_size, temperature=temperature,
                                      **items)
     grads = torch.autograd.grad(loss * g, (x, w))
-    z = logits_seen(x, w, wide_logits and chunk_size is None).requires_grad_()  # the logits flce computes from
+    # the logits flce computes from
+    z = logits_leaf(x, w, None, torch.float64 if wide_logits and chunk_size is None else x.dtype)
     (dz,) = torch.autograd.grad(F.cross_entropy(z / temperature, t, reduction="sum") / 172 * g, z)
     exact = [dz @ w.double(), dz.t() @ x.double()]  # grad_input, grad_weight
     rounding = [rel_err(e.to(torch.bfloat16), e) for e in exact]
@@ -158,7 +159,7 @@ def test_masked_mean_over_rows_stays_out_of_the_rounded_dlogits(backend, device,
     mask = kept.float()
     rows = flce.linear_cross_entropy(x, w, t, backend=backend, chunk_size=chunk_size, reduction="none")
     grads = torch.autograd.grad((rows * mask).sum() / mask.sum(), (x, w))
-    z = logits_seen(x, w, wide_logits and chunk_size is None).requires_grad_()
+    z = logits_leaf(x, w, None, torch.float64 if wide_logits and chunk_size is None else x.dtype)
     (dz,) = torch.autograd.grad((F.cross_entropy(z, t, reduction="none") * mask).sum() / 172, z)
     exact = [dz @ w.double(), dz.t() @ x.double()]
     rounding = [rel_err(e.to(torch.bfloat16), e) for e in exact]
