@@ -23,10 +23,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import ON_HOPPER
-from reference import (TOL, DropGrad, assert_close, errors_in_roundings, peaked_case, poisoned_padded_copy,
-                       reference_loss, rel_err)
+from conftest import BACKENDS, GPU_FUZZ_EXAMPLES, ON_HOPPER
+import hypothesis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import (TOL, DropGrad, assert_close, assert_loss_close, errors_in_roundings, peaked_case,
+                       poisoned_padded_copy, reference_loss, rel_err)
 from test_api import OPTION_SETS, make_case
+from test_fuzz import (GPU_OPTIONS, GRAD_TOL, assert_grad_close, grad_floors, leaves, loss_unit, num_items_for,
+                       options, rounding_scales)
 
 import flce
 from flce.distributed import ShardLayout, vocab_parallel_linear_cross_entropy
@@ -590,6 +595,81 @@ def test_layout():
     assert (layout.start, layout.end, layout.vocab) == (5, 12, 12)
 
 
+# --- random cases: the one-device fuzz's draws and tolerances (test_fuzz) on vocabulary shards --------
+
+def _random_case(rank, world, *, sizes, n, hidden, lead, chunk, ignore, bias, class_weight, opts, dtype, num_items,
+                 sync_free, accum, frozen, stats, backend, device, seed) -> str | None:
+    """What of this rank's loss, grad_input and shard gradients missed the float64 reference (None: nothing).
+    Every rank draws the same full problem from ``seed``. ``dtype`` "autocast": float32 leaves, bf16 GEMMs;
+    ``frozen``: what needs no gradient ("all": the loss alone); ``sync_free``: shard_sizes given and the target
+    unchecked; ``bias`` "frozen" / "trained"."""
+    g = torch.Generator().manual_seed(seed)
+    store, gemm = (torch.float32, torch.bfloat16) if dtype == "autocast" else (dtype, dtype)
+    x, w, b, t, cw = leaves(g, (*lead, n), hidden, sum(sizes), store, bias != "none", class_weight, ignore, device)
+    start, end = _bounds(sizes, rank)
+    cols = slice(start, end)
+    x.requires_grad_(frozen not in ("input", "all"))
+    w_shard = w.detach()[cols].clone().requires_grad_(frozen not in ("weight", "all"))
+    b_shard = None if b is None else b.detach()[cols].clone().requires_grad_(bias == "trained" and frozen != "all")
+    items = None if opts["reduction"] == "none" else num_items_for(t, num_items)
+    known = dict(shard_sizes=sizes, validate_target=False) if sync_free else {}
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "autocast"):
+        out = vocab_parallel_linear_cross_entropy(x, w_shard, t, linear_bias=b_shard, weight=cw, chunk_size=chunk,
+                                                  num_items_in_batch=items, accum_dtype=accum, backend=backend,
+                                                  return_stats=stats, **known, **opts)
+    loss = out[0] if stats else out
+
+    def reference(**changed):
+        return reference_loss(x, w, t, linear_bias=b, weight_cls=cw, num_items_in_batch=items, **{**opts, **changed})
+
+    ref, ref_leaves = reference()
+    try:
+        assert loss.dtype == torch.float32 and loss.shape == ref.shape, (loss.dtype, loss.shape)
+        tol = 1e-5 if gemm == torch.float32 else TOL[gemm]
+        assert_loss_close(loss, ref, tol, loss_unit(t, opts["reduction"], items))
+        if stats:
+            assert out[1].num_valid.item() == int((t != -100).sum()), "num_valid"
+        if not loss.requires_grad:
+            return None
+        grad_out = torch.randn(ref.shape, generator=g, dtype=torch.float64).to(device)
+        loss.backward(grad_out.float())
+        ref.backward(grad_out)
+        floors = grad_floors(reference, grad_out, opts, cols)
+        scales = rounding_scales(x, w, b, t, cw, items, grad_out, opts, cols)
+        for got, leaf, part, floor, scale, name in zip((x, w_shard, b_shard), ref_leaves, (slice(None), cols, cols),
+                                                       floors, scales, ("input", "weight", "bias")):
+            if got is not None and got.requires_grad:
+                assert got.grad.dtype == store, (name, got.grad.dtype)
+                assert_grad_close(got.grad, leaf.grad[part], GRAD_TOL[gemm], max(floor, scale), f"grad_{name}",
+                                  atol=GRAD_TOL[gemm] / 100)
+    except AssertionError as e:  # sent back as the rank's answer: a raising rank would restart the cluster
+        return f"rank {rank}: {e}"
+    return None
+
+
+def _shard_sizes(max_size: int):
+    """Two ranks' vocabulary slices, one of them possibly empty."""
+    return st.tuples(st.integers(0, max_size), st.integers(0, max_size)).filter(lambda s: sum(s) > 0)
+
+
+@settings(deadline=None)
+@given(
+    sizes=_shard_sizes(60), n=st.integers(0, 30), hidden=st.integers(1, 16), lead=st.sampled_from([(), (2,)]),
+    chunk=st.one_of(st.none(), st.integers(1, 12)), ignore=st.floats(0.0, 1.0),
+    bias=st.sampled_from(["none", "frozen", "trained"]), class_weight=st.booleans(), opts=options,
+    dtype=st.sampled_from([torch.float32, torch.float32, torch.bfloat16, torch.float16, "autocast"]),
+    num_items=st.sampled_from(["none", "none", "float", "0-d"]), sync_free=st.booleans(),
+    accum=st.sampled_from([None, None, torch.float32]),
+    frozen=st.sampled_from(["none", "none", "input", "weight", "all"]),
+    stats=st.booleans(), backend=st.sampled_from(BACKENDS), seed=st.integers(0, 2**31 - 1),
+)
+def test_random_cases_match_reference(cluster2, **case):
+    """Random shard sizes (one may be empty), shapes, options, dtypes, frozen operands and both backends, each
+    rank's results against float64 (the Triton kernels under the interpreter: small shapes)."""
+    failed = [m for m in cluster2.run(_random_case, device=CPU, **case) if m]
+    assert not failed, "\n".join(failed)
+
+
 # --- DTensor ------------------------------------------------------------------------------------------
 
 def _dtensor_case(rank, world, *, vocab, shard, bias):
@@ -680,6 +760,29 @@ def test_gpu_peaked_logits_on_each_shard(nccl_cluster):
               hidden=256, chunk_size=512)
     _assert_peaked(nccl_cluster.run(_peaked_case, hopper_gemm=True, **kw),
                    nccl_cluster.run(_peaked_case, hopper_gemm=False, **kw), chunks=2)
+
+
+@pytest.mark.gpu
+@settings(deadline=None, max_examples=GPU_FUZZ_EXAMPLES)
+@given(
+    sizes=_shard_sizes(40000), n=st.one_of(st.sampled_from([1, 255, 256, 1024, 2048]), st.integers(0, 3000)),
+    hidden=st.sampled_from([8, 64, 100, 256, 512]), lead=st.sampled_from([(), (), (2,)]),
+    chunk=st.sampled_from([None, None, 100, 256, 1000]), ignore=st.sampled_from([0.0, 0.0, 0.3, 1.0]),
+    bias=st.sampled_from(["none", "none", "frozen", "trained"]), class_weight=st.sampled_from([False, False, True]),
+    opts=GPU_OPTIONS,
+    dtype=st.sampled_from([torch.bfloat16, torch.bfloat16, torch.float16, torch.float32, "autocast"]),
+    num_items=st.sampled_from(["none", "none", "float", "0-d"]), sync_free=st.booleans(),
+    accum=st.sampled_from([None, None, torch.float32]),
+    frozen=st.sampled_from(["none", "none", "input", "weight", "all"]),
+    stats=st.sampled_from([False, False, True]), seed=st.integers(0, 2**31 - 1),
+)
+def test_gpu_random_cases_match_reference(nccl_cluster, **case):
+    """GPU-sized shards over NCCL: flce's Hopper GEMM on each shard from 256 rows a chunk, the CE kernels at large
+    shards, every option (logits of std 1: the dtype's tolerance holds without eager's rounding allowance)."""
+    rows = case["n"] * (2 if case["lead"] else 1)
+    hypothesis.assume(rows * sum(case["sizes"]) <= 6e7)
+    failed = [m for m in nccl_cluster.run(_random_case, device=torch.device("cuda"), backend="auto", **case) if m]
+    assert not failed, "\n".join(failed)
 
 
 @pytest.fixture(scope="module")
