@@ -107,8 +107,10 @@ def test_writes_in_place_without_copies(device, monkeypatch, group_major):
     gradients autograd hands to .grad), through strided views: no contiguous copies on the way."""
     calls = []
     real = grouped.bmm_into
-    monkeypatch.setattr(grouped, "bmm_into", lambda out, a, b, accumulate: calls.append(
-        (out.untyped_storage().data_ptr(), a.untyped_storage().data_ptr())) or real(out, a, b, accumulate=accumulate))
+    spy = lambda out, a, b, accumulate: calls.append(  # noqa: E731
+        (out.untyped_storage().data_ptr(), a.untyped_storage().data_ptr())) or real(out, a, b, accumulate=accumulate)
+    for module in (grouped, gemm):  # forward's GEMM runs through gemm.linear_into
+        monkeypatch.setattr(module, "bmm_into", spy)
     x, w, _ = make_case(6, 3, 8, 10, torch.float32, device, group_major=group_major, bias=False)
     y = flce.grouped_linear(x, w, group_major=group_major)
     (fwd_out, fwd_a), = calls

@@ -44,7 +44,8 @@ import torch
 
 from . import exp_logits, loss_only
 from .exp_logits import PendingExp
-from .gemm import bmm_into, column_sums_into, first_cols, mm_into, mm_new, padded_rows, supports_out_dtype
+from .gemm import (bmm_into, column_sums_into, first_cols, linear_into, mm_into, mm_new, padded_rows,
+                   supports_out_dtype)
 from .kernels import ce_chunk, math_dtype
 from .kernels.scale import scale_into
 from .options import LossOptions
@@ -420,15 +421,15 @@ def chunk_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
             tile_sum = stats[1] if sums else None
             logits_triton.logits_with_tile_stats(x_c, w, bias, logits, stats[0], tile_sum, opts)
             return logits, (stats[0], tile_sum)
+    padded = backend == "triton"  # the row kernels' layout
     if out is None:
         dtype = torch.float32 if wide and wide_logits(x_c, out) else x_c.dtype
-        logits = mm_new(x_c, w.t(), dtype, padded=backend == "triton")  # the row kernels' layout
-    else:
-        logits = out
-        mm_into(out, x_c, w.t(), accumulate=False)
-    if bias is not None:
-        logits.add_(bias)
-    return logits, None
+        if bias is None:
+            return mm_new(x_c, w.t(), dtype, padded=padded), None
+        n, vocab = x_c.shape[0], w.shape[0]
+        out = padded_rows(n, vocab, dtype, x_c.device) if padded else x_c.new_empty(n, vocab, dtype=dtype)
+    linear_into(out, x_c, w.t(), bias)
+    return out, None
 
 
 def _take(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:

@@ -58,6 +58,20 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: 
     _gemm_into(out, a, b, accumulate, batched=False)
 
 
+def linear_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """out = a @ b + bias: (m, n) = (m, k) @ (k, n) + (n,), or batched (G, m, n) = (G, m, k) @ (G, k, n) + (G, n),
+    rounded once as F.linear and baddbmm round: the bias fills ``out`` and the GEMM adds its float32 sums to it.
+    A bias added to the rounded 16-bit product would round twice (up to 1.5 ulps of a logit where F.linear's is
+    off by 0.5)."""
+    batched = out.dim() == 3
+    if bias is not None:
+        out.copy_(bias[:, None, :] if batched else bias)  # broadcast over the rows (rounded to out's dtype)
+    if batched:
+        bmm_into(out, a, b, accumulate=bias is not None)
+    else:
+        mm_into(out, a, b, accumulate=bias is not None)
+
+
 def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, padded: bool = False) -> torch.Tensor:
     """a @ b as a new (m, n) tensor of ``dtype``: contiguous, or with ``padded`` rows that start 128-byte
     aligned (``padded_rows``: a buffer the row kernels and other GEMMs read). Where ``mm_into`` would add

@@ -23,7 +23,7 @@ from torch import nn
 
 from .checks import check_devices, compute_dtype
 from .function import first_order_only
-from .gemm import bmm_into
+from .gemm import bmm_into, linear_into
 
 
 def grouped_linear(
@@ -109,9 +109,8 @@ class GroupedLinearFunction(torch.autograd.Function):
             w = weight.to(compute_dtype)
             out = torch.empty(*x3.shape[:-1], weight.shape[1], dtype=compute_dtype, device=x3.device)
             out_gm = group_major_view(out, group_major)
-            bmm_into(out_gm, group_major_view(x, group_major), w.transpose(1, 2), accumulate=False)
-            if bias is not None:
-                out_gm.add_(bias.to(compute_dtype)[:, None, :])
+            linear_into(out_gm, group_major_view(x, group_major), w.transpose(1, 2),
+                        None if bias is None else bias.to(compute_dtype))
         need_x, need_w = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if need_w else None, w if need_x else None)
         ctx.meta = (group_major, x3.shape, x3.dtype, weight.dtype, bias.dtype if bias is not None else None)

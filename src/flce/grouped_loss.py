@@ -34,7 +34,7 @@ import torch
 from .checks import check_tensors, compute_dtype, flat_targets, raise_bad_targets
 from .function import (ChunkGrads, LinearCrossEntropyFunction, LoopSpec, LossParts, PendingGrads,
                        scaled_operand, scaled_product_into, settle_residual, split_scale, unit_dlogits)
-from .gemm import bmm_into, padded_width
+from .gemm import bmm_into, linear_into, padded_width
 from .grouped import check_group_bias, group_major_view
 from .import_hooks import compile_disabled
 from .kernels import ce_chunk, math_dtype, resolve_backend
@@ -313,9 +313,7 @@ def _group_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                                                      stats[0, g], stats[1, g], opts)
             tile_max, tile_sum = stats.view(2, groups * rows, -1)
             return tile_max, tile_sum
-    bmm_into(logits, x_c, w.transpose(1, 2), accumulate=False)
-    if bias is not None:
-        logits.add_(bias[:, None, :])
+    linear_into(logits, x_c, w.transpose(1, 2), bias)
     return None
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .function import LoopMemory, LoopSpec
-from .gemm import column_sums_into, mm_into, padded_width
+from .gemm import column_sums_into, linear_into, mm_into, padded_width
 from .kernels import math_dtype
 from .kernels.ce_block_torch import RowTerms, ce_block_torch
 from .kernels.scale import scale_into
@@ -73,9 +73,7 @@ def block_logits_grad(x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Ten
         if block_gemm_triton.supported(x, w_block, b_block, out):
             block_gemm_triton.block_logits_grad_triton(x, w_block, b_block, out, col_start, vocab, terms, opts)
             return
-    mm_into(out, x, w_block.t(), accumulate=False)
-    if b_block is not None:
-        out.add_(b_block)
+    linear_into(out, x, w_block.t(), b_block)  # rounded as forward's logits (``function.chunk_logits``)
     if backend == "triton":
         from .kernels.ce_block_triton import ce_block_triton
 
