@@ -103,14 +103,15 @@ def test_single_chunk_grad_input_rounds_once_whatever_grad_output(backend, devic
 
 @pytest.mark.parametrize("chunk_size", [None, 16])
 def test_a_bias_joins_the_logits_one_rounding(backend, device, chunk_size, wide_logits):
-    """A bias head's 16-bit logits are rounded once, as F.linear's (``gemm.linear_into``): the loss of each row is
-    that of the rounded logits to float32 arithmetic. The bias added to the rounded product rounded them twice
-    (the GPU fuzz found rows of std-8 logits off by up to 1.6x eager's error: 0.25 against 0.18)."""
+    """A bias head's 16-bit logits are rounded once, as F.linear's (``gemm.linear_into``; on CUDA where the logits'
+    rows are whole 128-byte lines, V a multiple of 64 here): the loss of each row is that of the rounded logits to
+    float32 arithmetic. The bias added to the rounded product rounded them twice (the GPU fuzz found rows of std-8
+    logits off by up to 1.6x eager's error: 0.25 against 0.18)."""
     dtype = torch.float16 if backend == "triton" and device.type == "cpu" else torch.bfloat16
     x = torch.randn(48, 32, device=device).to(dtype).requires_grad_()
-    w = (torch.randn(1000, 32, device=device) * 32**-0.5 * 8).to(dtype).requires_grad_()
-    b = (torch.randn(1000, device=device) * 4).to(dtype).requires_grad_()
-    t = torch.randint(0, 1000, (48,), device=device)
+    w = (torch.randn(1024, 32, device=device) * 32**-0.5 * 8).to(dtype).requires_grad_()
+    b = (torch.randn(1024, device=device) * 4).to(dtype).requires_grad_()
+    t = torch.randint(0, 1024, (48,), device=device)
     rows = flce.linear_cross_entropy(x, w, t, linear_bias=b, reduction="none", chunk_size=chunk_size,
                                      backend=backend)
     z = logits_leaf(x, w, b, torch.float64 if wide_logits and chunk_size is None else dtype)

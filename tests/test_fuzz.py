@@ -297,6 +297,12 @@ GPU_OPTIONS = st.fixed_dictionaries({
     backend=st.sampled_from(["auto", "auto", "auto", "torch"]), ignore_index=st.sampled_from([-100, -100, -1, 0]),
     compiled=st.sampled_from([False, False, False, True]), seed=st.integers(0, 2**31 - 1),
 )
+# A bias head's logits of std 8 in bf16 (odd H: cuBLAS, not the fused GEMM): the bias added to the rounded product
+# rounded them twice, rows' losses off by 1.6x eager's error (seed 21 on an H200, 2026-11-28).
+@example(n=256, hidden=100, vocab=1000, lead=(), chunk=None, ignore=0.0, bias="frozen", class_weight=False,
+         opts={"reduction": "none", "label_smoothing": 0.0, "z_loss": 0.0, "softcap": None, "temperature": 1.0},
+         dtype="bf16", wants="both", num_items="none", validate=False, low_memory=False, spread=8.0, confident=True,
+         shift=0.0, stats=False, accum=None, backend="auto", ignore_index=-100, compiled=False, seed=1)
 def test_gpu_random_cases(n, hidden, vocab, lead, chunk, ignore, bias, class_weight, opts, dtype, wants, num_items,
                           validate, low_memory, spread, confident, shift, stats, accum, backend, ignore_index, compiled,
                           seed):
@@ -345,8 +351,10 @@ def test_gpu_random_cases(n, hidden, vocab, lead, chunk, ignore, bias, class_wei
     tol = 1e-5 if gemm == torch.float32 else TOL[gemm]
     loss_err = (loss.detach().double() - ref.detach()).abs()
     unit = loss_unit(t, opts["reduction"], items, ignore_index)
+    # A bias head's 16-bit logits may take one more rounding than eager's on CUDA (gemm.linear_into)
+    twice = one_more_rounding(x, w, b, t, cw, items, opts, gemm) if b is not None and gemm != torch.float32 else 0.0
     assert not loss.isnan().any() and (loss_err <= tol * (ref.detach().abs() + unit)
-                                       + 2 * (eager_loss - ref.detach()).abs()).all(), "loss"
+                                       + 2 * (eager_loss - ref.detach()).abs() + twice).all(), "loss"
     if stats:
         assert out[1].num_valid.item() == int((t != ignore_index).sum())
     if not loss.requires_grad:
@@ -370,6 +378,16 @@ def test_gpu_random_cases(n, hidden, vocab, lead, chunk, ignore, bias, class_wei
             if name == "weight":
                 allowed += summed * leaf.grad.norm().item()
             assert_grad_close(got.grad, leaf.grad, GRAD_TOL[gemm], scale, f"grad_{name}", atol=allowed)
+
+
+def one_more_rounding(x, w, b, t, cw, items, opts, dtype):
+    """Per loss value, what rounding every logit once more to ``dtype`` can move it by, to first order:
+    sum_v |dloss/dz_v| |z_v| eps / 2 over the row's logits z (a scalar loss: over every row)."""
+    leaf = logits_leaf(x, w, b, torch.float64)
+    loss = loss_of_leaf(leaf, t, cw, items, opts)
+    (dz,) = torch.autograd.grad(loss.sum(), leaf, materialize_grads=True)
+    moved = (dz.abs() * leaf.detach().abs()).sum(-1) * torch.finfo(dtype).eps / 2
+    return moved if loss.dim() else moved.sum()
 
 
 def eager_rounding(x, w, b, t, cw, items, gemm_dtype, opts, grad_out=None):

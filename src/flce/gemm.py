@@ -60,21 +60,17 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: 
 
 def linear_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
     """out = a @ b + bias: (m, n) = (m, k) @ (k, n) + (n,), or batched (G, m, n) = (G, m, k) @ (G, k, n) + (G, n),
-    rounded once as F.linear and baddbmm round (a bias added to the rounded 16-bit product would round twice: up
-    to 1.5 ulps of a logit where F.linear's is off by 0.5). On CUDA a 16-bit ``out`` takes the bias as F.linear
-    does, in cuBLASLt's epilogue (a non-contiguous ``out`` through a contiguous product: one more buffer of its
-    size for the copy); cuBLAS's plain GEMM rounds its product before adding a 16-bit C operand in some kernels
-    (28% of the values off by an ulp at 2048 x 4096 x 8192 on an H200). Elsewhere the bias fills ``out`` and the
-    GEMM adds its float32 sums to it."""
+    the bias inside the GEMM's float32 sums, so that 16-bit values are rounded once, as F.linear's (a bias added
+    to the rounded product rounds twice: up to 1.5 ulps of a logit where F.linear's is off by 0.5). On CUDA a
+    contiguous 16-bit ``out`` of aligned extents takes the bias as F.linear does, in cuBLASLt's epilogue (also
+    0.77-0.81x the time of the GEMM and an add at 255-8192 rows x 128256 / 32000 columns, H200). Elsewhere the bias
+    fills ``out`` and the GEMM adds its sums to it: once rounded on the CPU, while some of cuBLAS's kernels round
+    the product before adding a 16-bit C (28% of the values an ulp off at 48 x 32 x 1000, H200); cuBLASLt, where
+    ``out`` is a strided view or an extent unaligned, picked kernels 3.6x slower."""
     batched = out.dim() == 3
-    if bias is not None and out.is_cuda and out.element_size() == 2 and min(a.shape[-2:]) > 1:
-        bias = bias.to(out.dtype)
-        if batched:
-            torch.baddbmm(bias[:, None, :], a, b, out=out)
-        elif out.is_contiguous():
-            torch.addmm(bias, a, b, out=out)
-        else:
-            out.copy_(torch.addmm(bias, a, b))
+    if (bias is not None and not batched and out.is_cuda and out.element_size() == 2 and out.is_contiguous()
+            and min(a.shape) > 1 and not any(_splits(a, b, unit_n=True))):
+        torch.addmm(bias.to(out.dtype), a, b, out=out)
         return
     if bias is not None:
         out.copy_(bias[:, None, :] if batched else bias)  # broadcast over the rows (rounded to out's dtype)
