@@ -70,12 +70,20 @@ def rounding_scales(x, w, b, t, cw, items, grad_out, opts, cols=slice(None)) -> 
     random sign summing to 1/200 of their absolute sum) is then held to what its terms allow any
     low-precision method, not to its own small norm. dz: float64 dloss/dlogits (logits before bias and
     temperature). ``cols``: as in ``grad_floors``."""
-    leaf = logits_leaf(x, w, b, torch.float64)
-    ref = loss_of_leaf(leaf, t, cw, items, opts)
-    dz = torch.autograd.grad(ref, leaf, grad_out, materialize_grads=True)[0].flatten(0, -2)
+    dz = exact_dz(x, w, b, t, cw, items, opts, grad_out)[1].flatten(0, -2)
     x64, w64, dz2 = x.detach().double().flatten(0, -2), w.detach().double(), dz.square()
     return [(dz2 @ w64.square().sum(1)).sum().sqrt().item(),
             (dz2[:, cols].sum(1) @ x64.square().sum(1)).sqrt().item(), dz[:, cols].norm().item()]
+
+
+def exact_dz(x, w, b, t, cw, items, opts, grad_out=None) -> tuple:
+    """(z, dz, loss dims): the float64 logits (``reference.logits_leaf``, before temperature and softcap), the
+    gradient of the reference loss with respect to them for ``grad_out`` (None: ones), and the loss's dims."""
+    leaf = logits_leaf(x, w, b, torch.float64)
+    loss = loss_of_leaf(leaf, t, cw, items, opts)
+    (dz,) = torch.autograd.grad(loss, leaf, torch.ones_like(loss) if grad_out is None else grad_out,
+                                materialize_grads=True)
+    return leaf.detach(), dz, loss.dim()
 
 
 def loss_of_leaf(leaf, t, cw, items, opts: dict):
@@ -383,11 +391,9 @@ def test_gpu_random_cases(n, hidden, vocab, lead, chunk, ignore, bias, class_wei
 def one_more_rounding(x, w, b, t, cw, items, opts, dtype):
     """Per loss value, what rounding every logit once more to ``dtype`` can move it by, to first order:
     sum_v |dloss/dz_v| |z_v| eps / 2 over the row's logits z (a scalar loss: over every row)."""
-    leaf = logits_leaf(x, w, b, torch.float64)
-    loss = loss_of_leaf(leaf, t, cw, items, opts)
-    (dz,) = torch.autograd.grad(loss.sum(), leaf, materialize_grads=True)
-    moved = (dz.abs() * leaf.detach().abs()).sum(-1) * torch.finfo(dtype).eps / 2
-    return moved if loss.dim() else moved.sum()
+    z, dz, dims = exact_dz(x, w, b, t, cw, items, opts)
+    moved = (dz.abs() * z.abs()).sum(-1) * torch.finfo(dtype).eps / 2
+    return moved if dims else moved.sum()
 
 
 def eager_rounding(x, w, b, t, cw, items, gemm_dtype, opts, grad_out=None):

@@ -109,8 +109,7 @@ class GroupedLinearFunction(torch.autograd.Function):
             w = weight.to(compute_dtype)
             out = torch.empty(*x3.shape[:-1], weight.shape[1], dtype=compute_dtype, device=x3.device)
             out_gm = group_major_view(out, group_major)
-            linear_into(out_gm, group_major_view(x, group_major), w.transpose(1, 2),
-                        None if bias is None else bias.to(compute_dtype))
+            linear_into(out_gm, group_major_view(x, group_major), w.transpose(1, 2), bias)  # rounded to out's dtype
         need_x, need_w = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if need_w else None, w if need_x else None)
         ctx.meta = (group_major, x3.shape, x3.dtype, weight.dtype, bias.dtype if bias is not None else None)
