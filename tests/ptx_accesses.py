@@ -52,7 +52,8 @@ def cases() -> dict[str, dict[str, int]]:
     shard = dict(HAS_WEIGHT=False, HAS_SMOOTHING=True, HAS_SOFTCAP=False, BLOCK_V=4096, VEC=8)  # smoothing: a read
     kernels = {"ce": (ce_triton._ce_kernel, ce), "stats": (token_stats_triton._stats_kernel, stats),
                "grad": (token_stats_triton._grad_kernel, grad),
-               "shard-stats": (ce_vocab_parallel_triton._shard_stats_kernel, dict(shard, BLOCK_T=16)),
+               "shard-stats": (ce_vocab_parallel_triton._shard_stats_kernel,
+                               dict(shard, BLOCK_T=16, EXACT_Y=False, HAS_BIAS=False, BLOCK_H=1024)),
                "shard-grad": (ce_vocab_parallel_triton._shard_grad_kernel, shard)}
     out = {}
     for label, (kernel, flags) in kernels.items():

@@ -316,6 +316,44 @@ def test_peaked_logits_on_each_shard(cluster2):
     _assert_peaked(fused, plain, chunks=3)
 
 
+def _peaked_loss_case(rank, world, *, sizes, opts, device=CPU, dtype=torch.float16, rows=96, hidden=32,
+                      chunk_size=32):
+    """This rank's summed loss over peaked logits (std 6, targets from the softmax) less the float64 one, and its
+    accuracy less one device's (the same GEMM's stored values), each chunk's logits from flce's Hopper GEMM."""
+    opts = dict(opts)
+    x, w, b, t = peaked_case(rows, hidden, sum(sizes), dtype, device, opts.pop("bias", False),
+                             opts.get("temperature", 1.0), softcap=opts.get("softcap"))
+    want, _ = reference_loss(x, w, t, linear_bias=b, reduction="sum", **opts)
+    start, end = _bounds(sizes, rank)
+    calls = []
+    with _hopper_gemm(calls, device):
+        got, stats = vocab_parallel_linear_cross_entropy(
+            x, w.detach()[start:end].clone().requires_grad_(), t, reduction="sum", backend="triton",
+            chunk_size=chunk_size,
+            linear_bias=None if b is None else b.detach()[start:end].clone().requires_grad_(), return_stats=True,
+            **opts)
+        assert calls, "the shards' logits did not come from flce's GEMM"
+        one = flce.linear_cross_entropy(x, w, t, linear_bias=b, backend="triton", return_stats=True, **opts)[1]
+    return (got.double() - want).abs().item(), (stats.accuracy - one.accuracy).abs().item(), one.accuracy.item()
+
+
+PEAKED_OPTIONS = [dict(), dict(temperature=0.7, label_smoothing=0.1, bias=True), dict(softcap=30.0)]
+
+
+def _assert_peaked_losses(results, dtype) -> None:
+    for rank, (err, hits_off, accuracy) in enumerate(results):
+        assert err <= 0.5 * torch.finfo(dtype).eps and hits_off == 0.0 and accuracy > 0.2, (rank, err, hits_off)
+
+
+@needs_interpreted_triton
+@pytest.mark.parametrize("opts", PEAKED_OPTIONS)
+def test_peaked_logits_losses_from_a_dot_at_the_target(cluster2, opts):
+    """Where the shards' logits are stored less their tile max, each row's logit at its target comes from a float32
+    dot of the GEMM's operands, as on one device: the summed loss within half an fp16 ulp of 1 (from the stored
+    values 1.0-3.0e-3 off here); the hits still from the stored values, so accuracy is one device's."""
+    _assert_peaked_losses(cluster2.run(_peaked_loss_case, sizes=(256, 256), opts=opts), torch.float16)
+
+
 def _mean_scale_case(rank, world, *, chunk_size, g, temperature):
     """Errors of this rank's bf16 gradients over the bf16 rounding of the exact ones (float64 from the
     16-bit logits both compute from), for a mean over 172 of 200 rows."""
@@ -749,6 +787,17 @@ def test_gpu_hopper_gemm_on_each_shard(nccl_cluster, name, reduction):
     _assert_all_close(results, torch.bfloat16)
     least = (2 if name == "plain" else 1) * (2 if reduction == "none" else 1)
     assert all(res["calls"] >= least for res in results), results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", PEAKED_OPTIONS)
+def test_gpu_peaked_logits_losses_from_a_dot_at_the_target(nccl_cluster, opts):
+    """bf16 at 1024 rows x 256 x 4096 columns a rank, two chunks: as the CPU test, on the GPUs' own GEMM."""
+    if not ON_HOPPER:
+        pytest.skip("needs Hopper (TMA)")
+    _assert_peaked_losses(nccl_cluster.run(_peaked_loss_case, sizes=(4096,) * nccl_cluster.world, opts=opts,
+                                           device=torch.device("cuda"), dtype=torch.bfloat16, rows=1024, hidden=256,
+                                           chunk_size=512), torch.bfloat16)
 
 
 @pytest.mark.gpu

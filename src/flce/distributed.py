@@ -25,7 +25,8 @@ from .function import (ChunkGrads, LossParts, chunk_logits, finish_forward, not_
 from .gemm import column_sums_into, mm_into, padded_rows
 from .import_hooks import compile_disabled
 from .kernels import math_dtype, resolve_backend
-from .kernels.ce_vocab_parallel import ROW_MAX, STATS, SUM_EXP, SUM_LOGITS, TARGET_LOGIT, shard_grad, shard_stats
+from .kernels.ce_vocab_parallel import (ROW_MAX, STATS, SUM_EXP, SUM_LOGITS, TARGET_LOGIT, TARGET_STORED, shard_grad,
+                                        shard_stats)
 from .kernels.targets import count_targets
 from .options import LossOptions, check_run_options
 from .planner import ChunkPlan, plan_chunks, weight_grad_hidden
@@ -301,7 +302,7 @@ def _chunk_loop(
         logits, tile_stats = chunk_logits(x_c, w, bias, buffer[: end - start], setup.opts, setup.backend,
                                           sums=saved_lse is None)
         if saved_lse is None:
-            _agree_on_softmax(logits, rows, classes, setup, parts, chunk, tile_stats)
+            _agree_on_softmax(logits, rows, classes, setup, parts, chunk, tile_stats, (x_c, w, bias))
         if not grad:
             continue
         scale = ce_scale[chunk] if ce_scale.dim() == 1 else ce_scale.expand(end - start)
@@ -327,15 +328,17 @@ def _chunk_loop(
 
 
 def _agree_on_softmax(logits, rows: _Rows, classes: _Classes, setup: _Setup, parts: LossParts,
-                      chunk: slice, tile_stats=None) -> None:
-    """Partial statistics, two all-reduces, then loss, lse (and hits) of the chunk's rows."""
+                      chunk: slice, tile_stats=None, operands=None) -> None:
+    """Partial statistics, two all-reduces, then loss, lse (and hits) of the chunk's rows. ``operands``: the
+    chunk's (x_c, W_local, bias), from which the target's logit is taken where the logits are stored shifted."""
     opts, vocab = setup.opts, setup.layout.vocab
     stats = torch.zeros(STATS, logits.shape[0], dtype=parts.lse.dtype, device=logits.device)
-    shard_stats(setup.backend, logits, rows.local[chunk], classes.local, opts, stats, tile_stats)
+    shard_stats(setup.backend, logits, rows.local[chunk], classes.local, opts, stats, tile_stats,
+                None if tile_stats is None else operands)
     row_max = stats[ROW_MAX].clone()
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=setup.group)
     stats[SUM_EXP] *= torch.exp(stats[ROW_MAX] - row_max)  # 0 for an empty shard (its max is -inf)
-    dist.all_reduce(stats[SUM_EXP:], group=setup.group)  # sum of exp, target logit, smoothing sum
+    dist.all_reduce(stats[SUM_EXP:], group=setup.group)  # sum of exp, target logits, smoothing sum
     lse = row_max + torch.log(stats[SUM_EXP])
     z_y, w_y, valid = stats[TARGET_LOGIT], rows.target_weight[chunk], rows.valid[chunk]
     loss = (1.0 - opts.label_smoothing) * w_y * (lse - z_y)
@@ -348,7 +351,7 @@ def _agree_on_softmax(logits, rows: _Rows, classes: _Classes, setup: _Setup, par
     parts.loss[chunk] = torch.where(valid, loss, 0.0)
     parts.lse[chunk] = torch.where(valid, lse, 0.0)
     if parts.correct is not None:  # the target's logit is the top one (ties count as hits)
-        parts.correct[chunk] = (valid & (z_y >= row_max)).float()
+        parts.correct[chunk] = (valid & (stats[TARGET_STORED] >= row_max)).float()
 
 
 def _write_grad(logits, rows: _Rows, classes: _Classes, setup: _Setup, lse, scale, chunk: slice,

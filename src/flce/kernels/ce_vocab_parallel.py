@@ -1,8 +1,8 @@
 """The two per-chunk stages of a cross-entropy whose vocabulary is split over ranks.
 
 Stage 1 (``shard_stats``): each rank's partial softmax statistics over its own columns — row max, sum
-of exp(z - max), the target's logit if the target lives here, the (class-weighted) sum of logits for
-label smoothing. The ranks combine them with two all-reduces (see ``flce.distributed``).
+of exp(z - max), the target's logit if the target lives here (exact, and as stored), the (class-weighted)
+sum of logits for label smoothing. The ranks combine them with two all-reduces (see ``flce.distributed``).
 Stage 2 (``shard_grad``): given the global lse and per-row coefficients, the gradient over this
 rank's columns, written over the logits in place.
 
@@ -18,9 +18,11 @@ import torch
 from ..options import LossOptions
 from .softcap_torch import capped_logits
 
-# Rows of the statistics that shard_stats writes, (STATS, n) float32.
-ROW_MAX, SUM_EXP, TARGET_LOGIT, SUM_LOGITS = range(4)
-STATS = 4
+# Rows of the statistics that shard_stats writes, (STATS, n) float32. TARGET_STORED: the target's logit as the
+# logits hold it, which the hit test compares with the row max (the GEMM stores a tile's max exactly); TARGET_LOGIT
+# may come from a float32 dot instead, for the loss.
+ROW_MAX, SUM_EXP, TARGET_LOGIT, SUM_LOGITS, TARGET_STORED = range(5)
+STATS = 5
 
 
 def shard_stats(
@@ -31,6 +33,7 @@ def shard_stats(
     opts: LossOptions,
     out: torch.Tensor,
     tile_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+    operands: tuple | None = None,
 ) -> None:
     """Partial softmax statistics of this rank's columns.
 
@@ -40,9 +43,12 @@ def shard_stats(
             r = logits / T less its tile's shift, and the (n, T) tile maxima and sums.
         target_local: (n,) int64 column of the target in this shard, -1 where it is not here.
         class_weight: (V_local,) slice of the class weights (in the math dtype), or None.
-        out: (4, n) float32 (float64 for float64 logits), written: row max of z, sum of exp(z - max),
+        out: (STATS, n) float32 (float64 for float64 logits), written: row max of z, sum of exp(z - max),
             z at the target (0 where target_local is -1), sum_j w_j z_j (only when label smoothing is
-            on, else left unwritten).
+            on, else left unwritten), z at the target as the logits hold it (0 where target_local is -1).
+        operands: None, or with ``tile_stats`` the GEMM's (x (n, H), W_local (V_local, H), bias (V_local,) or
+            None), unit-stride rows: z at the target then comes from a float32 dot of them, not from the stored
+            value (which a tile max can leave off by |z_y - tile max| / 256 in 16 bits).
     """
     if logits.shape[1] == 0:  # an empty shard: neutral elements of max and sum
         out[ROW_MAX].fill_(float("-inf"))
@@ -53,9 +59,9 @@ def shard_stats(
     if backend == "triton":
         from .ce_vocab_parallel_triton import shard_stats_triton
 
-        shard_stats_triton(logits, target_local, class_weight, opts, out, tile_stats)
+        shard_stats_triton(logits, target_local, class_weight, opts, out, tile_stats, operands)
     else:
-        assert tile_stats is None, "tile statistics come with the triton backend only"
+        assert tile_stats is None and operands is None, "tile statistics come with the triton backend only"
         _shard_stats_torch(logits, target_local, class_weight, opts, out)
 
 
@@ -107,7 +113,7 @@ def _shard_stats_torch(logits, target_local, class_weight, opts, out) -> None:
     out[SUM_EXP] = torch.exp(z - row_max[:, None]).sum(1)
     here = target_local >= 0
     z_y = z.gather(1, target_local.clamp(min=0)[:, None])[:, 0]
-    out[TARGET_LOGIT] = torch.where(here, z_y, 0.0)
+    out[TARGET_LOGIT] = out[TARGET_STORED] = torch.where(here, z_y, 0.0)
     if opts.label_smoothing > 0.0:
         out[SUM_LOGITS] = (z * class_weight).sum(1) if class_weight is not None else z.sum(1)
 

@@ -4,7 +4,8 @@ One program per row, blocks over the shard's columns, float32 arithmetic whateve
 The row passes (online softmax, gradient written over the row) are the core kernel's own jit
 functions, so both kernels compute the same z and gradient (the same softcap, ``softcap_triton``).
 Given the Hopper logits GEMM's tile statistics (``SHIFTED``) the logits hold r less its tile's shift,
-as the core kernel reads them, and stage 1 takes the row's max and sum from the statistics.
+as the core kernel reads them, and stage 1 takes the row's max and sum from the statistics, and the target's
+logit from a float32 dot of the GEMM's operands (``target_dot``, as the core kernel).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import triton.language as tl
 
 from ..options import LossOptions
 from .ce_triton import (_row_stats, _write_row_grad, _write_row_grad_once, load_z_at, row_start, shift_args,
-                        tile_block, tile_stats_max_sum, whole_groups)
+                        target_dot, target_dot_args, tile_block, tile_stats_max_sum, whole_groups)
+from .softcap_triton import capped
 
 
 @triton.jit
@@ -28,6 +30,12 @@ def _shard_stats_kernel(
     tile_max_ptr,
     tile_sum_ptr,
     n_tiles,
+    x_ptr,
+    stride_x,
+    w_ptr,
+    stride_w,
+    bias_ptr,
+    H,
     n_rows,
     V,
     softcap,
@@ -37,6 +45,9 @@ def _shard_stats_kernel(
     HAS_SOFTCAP: tl.constexpr,
     SHIFTED: tl.constexpr,
     TILE_N: tl.constexpr,
+    EXACT_Y: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_T: tl.constexpr,
     VEC: tl.constexpr,
@@ -58,12 +69,18 @@ def _shard_stats_kernel(
 
     y = tl.load(target_ptr + row)
     here = y >= 0
-    z_y = load_z_at(row_ptr, tile_max_row, tl.maximum(y, 0), inv_temp, softcap, HAS_SOFTCAP, SHIFTED, TILE_N)
+    y = tl.maximum(y, 0)
+    stored_y = load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP, SHIFTED, TILE_N)
+    z_y = stored_y
+    if EXACT_Y:  # from the GEMM's operands: the stored value carries its rounding (|z - tile max| / 256)
+        z_y = capped(target_dot(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, row, y, H, HAS_BIAS, BLOCK_H), inv_temp,
+                     softcap, HAS_SOFTCAP)
     tl.store(out_ptr + row, m)
     tl.store(out_ptr + n_rows + row, s)
     tl.store(out_ptr + 2 * n_rows + row, tl.where(here, z_y, 0.0))
     if HAS_SMOOTHING:
         tl.store(out_ptr + 3 * n_rows + row, sum_z)
+    tl.store(out_ptr + 4 * n_rows + row, tl.where(here, stored_y, 0.0))
 
 
 @triton.jit
@@ -116,7 +133,8 @@ def _launch_shape(vocab: int) -> tuple[int, int]:
 
 
 def shard_stats_triton(logits, target_local, class_weight, opts: LossOptions, out: torch.Tensor,
-                       tile_stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                       tile_stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       operands: tuple | None = None) -> None:
     n, vocab = logits.shape
     assert logits.stride(1) == 1 and out.is_contiguous(), "logits rows and out must be contiguous"
     block_v, num_warps = _launch_shape(vocab)
@@ -134,6 +152,7 @@ def shard_stats_triton(logits, target_local, class_weight, opts: LossOptions, ou
         GROUPED=whole_groups(logits, min(8, block_v)),
         num_warps=num_warps,
         **shift_args(None if tile_stats is None else tile_stats[0], vocab, out),
+        **target_dot_args(operands, out),
     )
 
 
