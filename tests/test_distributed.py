@@ -318,40 +318,62 @@ def test_peaked_logits_on_each_shard(cluster2):
 
 def _peaked_loss_case(rank, world, *, sizes, opts, device=CPU, dtype=torch.float16, rows=96, hidden=32,
                       chunk_size=32):
-    """This rank's summed loss over peaked logits (std 6, targets from the softmax) less the float64 one, and its
-    accuracy less one device's (the same GEMM's stored values), each chunk's logits from flce's Hopper GEMM."""
+    """This rank's per-row losses over peaked logits (std 6, targets from the softmax), each chunk's logits from
+    flce's Hopper GEMM: their sum's error against float64, each row's largest error, that of the target's stored
+    value instead of the dot (stage 1 without the operands), and the accuracy less one device's."""
+    import flce.distributed as fd
+
     opts = dict(opts)
     x, w, b, t = peaked_case(rows, hidden, sum(sizes), dtype, device, opts.pop("bias", False),
                              opts.get("temperature", 1.0), softcap=opts.get("softcap"))
-    want, _ = reference_loss(x, w, t, linear_bias=b, reduction="sum", **opts)
+    want, _ = reference_loss(x, w, t, linear_bias=b, reduction="none", **opts)
     start, end = _bounds(sizes, rank)
-    calls = []
-    with _hopper_gemm(calls, device):
-        got, stats = vocab_parallel_linear_cross_entropy(
-            x, w.detach()[start:end].clone().requires_grad_(), t, reduction="sum", backend="triton",
-            chunk_size=chunk_size,
-            linear_bias=None if b is None else b.detach()[start:end].clone().requires_grad_(), return_stats=True,
-            **opts)
+    shard = [None if a is None else a.detach()[start:end].clone().requires_grad_() for a in (w, b)]
+
+    def rows_and_stats():
+        calls = []
+        with _hopper_gemm(calls, device):
+            got, stats = vocab_parallel_linear_cross_entropy(x, shard[0], t, linear_bias=shard[1], reduction="none",
+                                                             backend="triton", chunk_size=chunk_size,
+                                                             return_stats=True, **opts)
         assert calls, "the shards' logits did not come from flce's GEMM"
+        return got.double(), stats
+
+    got, stats = rows_and_stats()
+    stage1 = fd.shard_stats
+    fd.shard_stats = lambda *args: stage1(*args[:7])  # no operands: the target's stored value
+    try:
+        stored, _ = rows_and_stats()
+    finally:
+        fd.shard_stats = stage1
+    with _hopper_gemm([], device):
         one = flce.linear_cross_entropy(x, w, t, linear_bias=b, backend="triton", return_stats=True, **opts)[1]
-    return (got.double() - want).abs().item(), (stats.accuracy - one.accuracy).abs().item(), one.accuracy.item()
+    return dict(sum_err=(got.sum() - want.sum()).abs().item(), row_err=(got - want).abs().max().item(),
+                stored_row_err=(stored - want).abs().max().item(),
+                hits_off=(stats.accuracy - one.accuracy).abs().item(), accuracy=one.accuracy.item())
 
 
 PEAKED_OPTIONS = [dict(), dict(temperature=0.7, label_smoothing=0.1, bias=True), dict(softcap=30.0)]
 
 
-def _assert_peaked_losses(results, dtype) -> None:
-    for rank, (err, hits_off, accuracy) in enumerate(results):
-        assert err <= 0.5 * torch.finfo(dtype).eps and hits_off == 0.0 and accuracy > 0.2, (rank, err, hits_off)
+def _assert_peaked_losses(results, sum_tol=None) -> None:
+    """Each row's loss 4x nearer the truth than from the stored value, hits as on one device; ``sum_tol``: the summed
+    loss within it too."""
+    for rank, res in enumerate(results):
+        assert res["row_err"] <= res["stored_row_err"] / 4, (rank, res)
+        assert res["hits_off"] == 0.0 and res["accuracy"] > 0.2, (rank, res)
+        assert sum_tol is None or res["sum_err"] <= sum_tol, (rank, res)
 
 
 @needs_interpreted_triton
 @pytest.mark.parametrize("opts", PEAKED_OPTIONS)
 def test_peaked_logits_losses_from_a_dot_at_the_target(cluster2, opts):
     """Where the shards' logits are stored less their tile max, each row's logit at its target comes from a float32
-    dot of the GEMM's operands, as on one device: the summed loss within half an fp16 ulp of 1 (from the stored
-    values 1.0-3.0e-3 off here); the hits still from the stored values, so accuracy is one device's."""
-    _assert_peaked_losses(cluster2.run(_peaked_loss_case, sizes=(256, 256), opts=opts), torch.float16)
+    dot of the GEMM's operands, as on one device: each row's loss 7-24x nearer the truth here than from the stored
+    value, the summed loss within half an fp16 ulp of 1; the hits still from the stored values, so accuracy is one
+    device's."""
+    _assert_peaked_losses(cluster2.run(_peaked_loss_case, sizes=(256, 256), opts=opts),
+                          sum_tol=0.5 * torch.finfo(torch.float16).eps)
 
 
 def _mean_scale_case(rank, world, *, chunk_size, g, temperature):
@@ -792,12 +814,14 @@ def test_gpu_hopper_gemm_on_each_shard(nccl_cluster, name, reduction):
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", PEAKED_OPTIONS)
 def test_gpu_peaked_logits_losses_from_a_dot_at_the_target(nccl_cluster, opts):
-    """bf16 at 1024 rows x 256 x 4096 columns a rank, two chunks: as the CPU test, on the GPUs' own GEMM."""
+    """bf16 at 1024 rows x 256 x 4096 columns a rank, two chunks, on the GPUs' own GEMM: each row as the CPU test.
+    Not the sum: Hopper's tensor cores shrink every logit by ~4e-6 of itself (the lse with them, the dot not), a
+    bias that 1024 rows add up (benchmark/NOTES.md, The target's logit from a dot in every loss)."""
     if not ON_HOPPER:
         pytest.skip("needs Hopper (TMA)")
     _assert_peaked_losses(nccl_cluster.run(_peaked_loss_case, sizes=(4096,) * nccl_cluster.world, opts=opts,
                                            device=torch.device("cuda"), dtype=torch.bfloat16, rows=1024, hidden=256,
-                                           chunk_size=512), torch.bfloat16)
+                                           chunk_size=512))
 
 
 @pytest.mark.gpu
