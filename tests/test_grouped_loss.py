@@ -448,12 +448,14 @@ def test_peaked_logits_through_the_hopper_gemm(monkeypatch, hopper_gemm, hopper_
     assert all(e <= c / 2 for e, c in zip(errs[8], errs[1 << 40]))
 
 
+@pytest.mark.parametrize("group_major", [False, True])
 @pytest.mark.parametrize("chunk_size", [None, 32])
 @pytest.mark.parametrize("opts", [dict(), dict(temperature=0.7, label_smoothing=0.1, bias=True), dict(softcap=30.0)])
-def test_peaked_logits_losses_from_a_dot_at_the_target(hopper_gemm_calls, chunk_size, opts):
+def test_peaked_logits_losses_from_a_dot_at_the_target(hopper_gemm_calls, chunk_size, opts, group_major):
     """Where the heads' GEMMs store the logits less their tile max, each row's logit at its target comes from a
     float32 dot of its head's operands, as in the one-head loss: the summed loss of two heads of std-6 logits within
-    half a 16-bit ulp of 1 (from the stored values 7e-4 and 2.3e-3 off here without a softcap)."""
+    half a 16-bit ulp of 1 (from the stored values 7e-4 and 2.3e-3 off here without a softcap). Rows of either
+    layout: x's group stride H and row stride G * H, or (group-major) B * H and H."""
     opts = dict(opts)
     bias = opts.pop("bias", False)
     heads = [peaked_case(96, 32, 512, HOPPER_DTYPE, DEVICE, bias, opts.get("temperature", 1.0),
@@ -462,7 +464,8 @@ def test_peaked_logits_losses_from_a_dot_at_the_target(hopper_gemm_calls, chunk_
     w = torch.stack([h[1].detach() for h in heads]).requires_grad_()  # (G, V, H)
     b = torch.stack([h[2].detach() for h in heads]).requires_grad_() if bias else None
     want, _ = grouped_reference(x.requires_grad_(), w, b, t, None, False, reduction="sum", **opts)
-    got = flce.grouped_linear_cross_entropy(x, w, t, linear_bias=b, chunk_size=chunk_size, reduction="sum",
-                                            backend="triton", **opts)
+    lead = (lambda a: a.transpose(0, 1).contiguous()) if group_major else (lambda a: a)
+    got = flce.grouped_linear_cross_entropy(lead(x), w, lead(t), group_major=group_major, linear_bias=b,
+                                            chunk_size=chunk_size, reduction="sum", backend="triton", **opts)
     assert len(hopper_gemm_calls) == 2 * (3 if chunk_size else 1)
     assert (got.double() - want).abs() <= 0.5 * torch.finfo(HOPPER_DTYPE).eps

@@ -256,9 +256,21 @@ def grouped_chunk_loop(
             scale = ce_scale[:, None].expand(groups, end - start).reshape(-1).contiguous()  # (not an expanded view)
         else:
             scale = ce_scale
-        outs = (loss_c, lse_c, correct_c if want_correct else None)
-        _group_ce(logits, t_gm[:, start:end].reshape(-1).contiguous(), outs, class_weight, weight_sum,
-                  scale if grad else None, opts, backend, tile_stats, (x_c, w, bias))
+        ce_chunk(
+            backend,
+            logits.view(n, vocab),
+            t_gm[:, start:end].reshape(-1).contiguous(),
+            loss_c,
+            lse_c,
+            correct_c if want_correct else None,
+            class_weight,
+            weight_sum,
+            scale if grad else None,
+            opts,
+            tile_stats=tile_stats,
+            # where the heads' GEMMs stored the logits less their tile max: each target's logit from a float32 dot
+            operands=None if tile_stats is None else (x_c, w, bias),
+        )
         for full, chunk in zip((parts.loss, parts.lse, parts.correct), (loss_c, lse_c, correct_c)):
             if full is not None:
                 gm(full)[:, start:end].copy_(chunk.view(groups, -1))
@@ -305,25 +317,6 @@ def _group_logits(x_c: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
             return tile_max, tile_sum
     linear_into(logits, x_c, w.transpose(1, 2), bias)
     return None
-
-
-def _group_ce(logits, target, outs, class_weight, weight_sum, scale, opts: LossOptions, backend: str, tile_stats,
-              operands) -> None:
-    """The CE kernel over a chunk's (G, c, V) logits: one launch over all G * c rows, or, where flce's GEMMs stored
-    them less their tile max, one per group with its operands, from which each row's logit at its target is taken
-    (``kernels.ce_chunk``'s ``operands``: the stored value is off by up to |z_y - tile max| / 256 in 16 bits).
-    target, the (loss, lse, correct) outputs and a per-row scale: (G * c,) in group-major order."""
-    groups, rows, vocab = logits.shape
-    if tile_stats is None:
-        ce_chunk(backend, logits.view(groups * rows, vocab), target, *outs, class_weight, weight_sum, scale, opts)
-        return
-    x_c, w, bias = operands
-    for g in range(groups):
-        part = slice(g * rows, (g + 1) * rows)
-        ce_chunk(backend, logits[g], target[part], *(None if o is None else o[part] for o in outs), class_weight,
-                 weight_sum, scale if scale is None or scale.dim() == 0 else scale[part], opts,
-                 tile_stats=tuple(s[part] for s in tile_stats),
-                 operands=(x_c[g], w[g], None if bias is None else bias[g]))
 
 
 @dataclass

@@ -121,7 +121,8 @@ def ce_chunk(
             Not with ``tile_stats``.
         operands: None, or with ``tile_stats`` the GEMM's (x (n, H), W (V, H), bias (V,) or None), unit-stride
             rows: each row's logit at its target then comes from a float32 dot of them, not from its stored value
-            (which a tile max can leave off by |z_y - tile max| / 256 in 16 bits).
+            (which a tile max can leave off by |z_y - tile max| / 256 in 16 bits). Or G groups' (x (G, c, H),
+            W (G, V, H), bias (G, V) or None) where the n = G * c rows are the groups' in turn (grouped heads).
     """
     grad_out = None if grad_out is logits else grad_out
     if backend == "triton":

@@ -286,6 +286,10 @@ def _ce_kernel(
     stride_w,
     bias_ptr,
     H,
+    rows_per_group,
+    stride_xg,
+    stride_wg,
+    stride_bg,
     n_rows,
     V,
     ignore_index,
@@ -329,7 +333,9 @@ def _ce_kernel(
 
         tile_max_row = tile_max_ptr + row * n_tiles  # (T,) when SHIFTED
         if EXACT_Y:  # from the GEMM's operands: a stored value carries its rounding (|z - tile max| / 256)
-            z_y = capped(target_dot(x_ptr, stride_x, w_ptr, stride_w, bias_ptr, row, y, H, HAS_BIAS, BLOCK_H),
+            g = row // rows_per_group  # the group's operands (grouped heads; else g = 0)
+            z_y = capped(target_dot(x_ptr + g * stride_xg, stride_x, w_ptr + g * stride_wg, stride_w,
+                                    bias_ptr + g * stride_bg, row - g * rows_per_group, y, H, HAS_BIAS, BLOCK_H),
                          inv_temp, softcap, HAS_SOFTCAP)
         else:
             z_y = load_z_at(row_ptr, tile_max_row, y, inv_temp, softcap, HAS_SOFTCAP, SHIFTED, TILE_N)  # before pass 2
@@ -429,14 +435,23 @@ def shift_args(tile_max: torch.Tensor | None, vocab: int, dummy: torch.Tensor) -
                 TILE_N=tile_width(vocab, tile_max.shape[1]))
 
 
-def target_dot_args(operands: tuple | None, dummy: torch.Tensor, exact: bool = True) -> dict:
+def target_dot_args(operands: tuple | None, dummy: torch.Tensor, exact: bool = True, grouped: bool = False) -> dict:
     """A row kernel's arguments for ``target_dot`` (its ``EXACT_Y``): the logits GEMM's operands (x (n, H), W (V, H),
-    bias (V,) or None), unit-stride rows, or None (then none is read; nor without ``exact``)."""
+    bias (V,) or None), unit-stride rows, or None (then none is read; nor without ``exact``). ``grouped`` (the CE
+    kernel): also its group arguments, and operands may be G groups' (x (G, c, H), W (G, V, H), bias (G, V) or None)
+    for rows laid out group by group, c to a group."""
     x, w, bias = operands if operands is not None else (dummy[:, None], dummy[:, None], None)
-    assert operands is None or (x.stride(1) == 1 and w.stride(1) == 1), "the operands' rows must be contiguous"
-    return dict(x_ptr=x, stride_x=x.stride(0), w_ptr=w, stride_w=w.stride(0), bias_ptr=dummy if bias is None else bias,
-                H=x.shape[1], EXACT_Y=exact and operands is not None, HAS_BIAS=bias is not None,
-                BLOCK_H=min(1024, triton.next_power_of_2(x.shape[1])))
+    assert operands is None or (x.stride(-1) == 1 and w.stride(-1) == 1), "the operands' rows must be contiguous"
+    assert grouped or x.dim() == 2, "grouped operands take the CE kernel"
+    args = dict(x_ptr=x, stride_x=x.stride(-2), w_ptr=w, stride_w=w.stride(-2),
+                bias_ptr=dummy if bias is None else bias, H=x.shape[-1], EXACT_Y=exact and operands is not None,
+                HAS_BIAS=bias is not None, BLOCK_H=min(1024, triton.next_power_of_2(x.shape[-1])))
+    if grouped:
+        group = x.dim() == 3
+        args.update(rows_per_group=x.shape[-2] if group else max(x.shape[0], 1),
+                    stride_xg=x.stride(0) if group else 0, stride_wg=w.stride(0) if group else 0,
+                    stride_bg=bias.stride(0) if group and bias is not None else 0)
+    return args
 
 
 def tile_block(n_tiles: int) -> int:
@@ -538,5 +553,5 @@ def ce_chunk_triton(
         GROUPED=whole_groups(logits, vec) and (grad_out is logits or whole_groups(grad_out, vec)),
         num_warps=max(4, min(warps, block_v // 512)),
         **shift_args(tile_stats[0] if tile_stats is not None else None, vocab, dummy),
-        **target_dot_args(operands, dummy),
+        **target_dot_args(operands, dummy, grouped=True),
     )
