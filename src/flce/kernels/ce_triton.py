@@ -442,7 +442,7 @@ def target_dot_args(operands: tuple | None, dummy: torch.Tensor, exact: bool = T
     for rows laid out group by group, c to a group."""
     x, w, bias = operands if operands is not None else (dummy[:, None], dummy[:, None], None)
     assert operands is None or (x.stride(-1) == 1 and w.stride(-1) == 1), "the operands' rows must be contiguous"
-    assert grouped or x.dim() == 2, "grouped operands take the CE kernel"
+    assert grouped or operands is None or x.dim() == 2, "grouped operands take the CE kernel"
     args = dict(x_ptr=x, stride_x=x.stride(-2), w_ptr=w, stride_w=w.stride(-2),
                 bias_ptr=dummy if bias is None else bias, H=x.shape[-1], EXACT_Y=exact and operands is not None,
                 HAS_BIAS=bias is not None, BLOCK_H=min(1024, triton.next_power_of_2(x.shape[-1])))
