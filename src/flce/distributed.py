@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .checks import check_and_compact, check_class_weight, check_tensors, compute_dtype, flat_targets
 from .function import (ChunkGrads, LossParts, chunk_logits, finish_forward, not_twice_differentiable, release,
-                       scale_grads, scaled_operand, settle_residual, split_scale, take_grads)
+                       scale_grads, scaled_operand, settle_residual, split_scale, take_grads, unit_dlogits)
 from .gemm import column_sums_into, mm_into, padded_rows
 from .import_hooks import compile_disabled
 from .kernels import math_dtype, resolve_backend
@@ -172,6 +172,10 @@ def vocab_parallel_linear_cross_entropy(
 
     class_w = weight.to(acc).contiguous() if weight is not None else None
     scale = None if reduction == "none" else reduction_scale(t, class_w, opts, num_items, counts, count_scale, acc)
+    if accum_dtype is None and dtype == torch.float16:
+        # beside one chunk's fp16 weight gradient the fp16 dlogits would take the mean's power of two, sinking a
+        # softmax's tail below fp16's smallest normal (``function._sums_take_scale``): a float32 sum instead
+        accum_dtype = torch.float32
     plan = plan_chunks(x.shape[0], local_vocab, dtype, linear_weight_shard.dtype,
                        chunk_size=chunk_size, accum_dtype=accum_dtype,
                        weight_grad_hidden=weight_grad_hidden(linear_weight_shard))
@@ -289,11 +293,15 @@ def _chunk_loop(
 
     buffer = padded_rows(plan.rows, weight.shape[0], setup.compute_dtype, dev)
     ce_scale, residual = grad_scale, None
-    if grad and setup.compute_dtype.itemsize == 2 and (grad_scale.dim() == 0 or not need_b):
-        # as the one-device loop (``function.split_scale``); a per-row grad_output (reduction="none") per row
+    wide_sums = grads.weight is None or grads.weight.dtype.itemsize > 2
+    if grad and setup.compute_dtype.itemsize == 2 and grad_scale.dim() == 0 and wide_sums:
+        # as the one-device loop: the scale joins the float32 product and sums alone (``function.unit_dlogits``)
+        ce_scale, residual = unit_dlogits(grad_scale, setup.opts.temperature)
+    elif grad and setup.compute_dtype.itemsize == 2 and (grad_scale.dim() == 0 or not need_b):
+        # its power of two (``function.split_scale``); a per-row grad_output (reduction="none") per row
         ce_scale, residual = split_scale(grad_scale, setup.opts.temperature)
     per_row = residual is not None and residual.dim() == 1
-    x_takes_residual = per_row or not (grads.weight is None or grads.weight.dtype.itemsize > 2)
+    x_takes_residual = per_row or not wide_sums
     summing = None  # the grad_input all-reduce, in flight behind the last grad_weight GEMM
     for i, (start, end) in enumerate(plan.bounds()):
         chunk = slice(start, end)

@@ -12,9 +12,9 @@ Two exceptions. With a single chunk (small batches) the two gradient GEMMs wait 
 grad_output and the reduction's scale are applied where each gradient is rounded once: to the small
 operand x_c for grad_weight, to grad_input's float32 product (dlogits stay unscaled); for a plain mean the
 CE kernel also counts the targets and finishes the mean itself (``LoopSpec.counts``). With several
-chunks dlogits take only the power of two of the scale over the temperature, the rest joins float32
-(``split_scale``). With reduction="none" the per-row grad_output is only known in backward, so there the
-loop runs again.
+chunks dlogits stay unscaled too, the scale joining float32 products and sums (``unit_dlogits``); where a
+16-bit operand takes part of it they take its power of two (``split_scale``). With reduction="none" the
+per-row grad_output is only known in backward, so there the loop runs again.
 A single chunk on Hopper in bf16 (1024 rows or more, the common options) goes further: its logits GEMM
 stores exp(logits), a row kernel takes the loss and row coefficients from the GEMM's statistics, and
 backward's GEMMs run on the exponentials with the rows scaled: no CE pass at all (``exp_logits.py``).
@@ -62,8 +62,8 @@ class ChunkGrads:
     # Chunks that took the exp-logits path (``plan.input_product_cols``): if its check misses in backward,
     # grad_input must be recomputed with the path off (the low-memory Function does).
     window: exp_logits.WindowCheck | None = None
-    # The mean's scale less its power of two (``split_scale``): in grad_input already, not yet in weight
-    # and bias, whose float32 sums take it with grad_output in backward (``scale_grads``).
+    # The reduction's scale not in the dlogits (``unit_dlogits``, ``split_scale``): in grad_input already, not yet
+    # in weight and bias, whose float32 sums take it with grad_output in backward (``scale_grads``).
     scale: torch.Tensor | None = None
 
 
@@ -193,7 +193,8 @@ def chunk_loop(
         grads = None
     else:
         grads = ChunkGrads(
-            input=torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None,
+            input=torch.empty_like(x, memory_format=torch.contiguous_format, dtype=input_grad_dtype(
+                x.dtype, compute_dtype)) if need_x else None,
             weight=None if not need_w else memory.weight_sum if memory is not None else torch.empty(
                 vocab, hidden, dtype=plan.accum_dtype, device=dev),
             bias=None if not need_b else memory.bias_sum if memory is not None else torch.zeros(
@@ -224,9 +225,9 @@ def chunk_loop(
     if defer and counts is None:  # unscaled dlogits: backward applies the scale with grad_output
         ce_scale, pending_scale = unit_dlogits(grad_scale, opts.temperature)
     elif (grads is not None and not row_scale and not (exp_input and memory is not None)
-          and _splits_scale(compute_dtype, grads)):
-        # exp-logits chunks too: their sums take the same power of two, so that any chunk may take either path
-        ce_scale, grads.scale = split_scale(grad_scale, opts.temperature)
+          and _sums_take_scale(compute_dtype, grads)):
+        # exp-logits chunks too: their sums take the same scale, so that any chunk may take either path
+        ce_scale, grads.scale = unit_dlogits(grad_scale, opts.temperature)
     elif grads is not None and row_scale and grads.bias is None and compute_dtype.itemsize == 2:
         # reduction="none": a per-row grad_output (a masked mean's 1 / count on every row) splits per row
         ce_scale, row_residual = split_scale(grad_scale, opts.temperature)
@@ -336,11 +337,22 @@ def _scaled_piece(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: to
         out.copy_(scale_into(product, scale, wide, backend))
 
 
-def _splits_scale(compute_dtype: torch.dtype, grads: ChunkGrads) -> bool:
-    """Whether 16-bit dlogits take only the mean's power of two: where every gradient they feed is
-    rounded from float32 (grad_input's product, a float32 weight sum, the bias sums)."""
+def _sums_take_scale(compute_dtype: torch.dtype, grads: ChunkGrads) -> bool:
+    """Whether 16-bit dlogits are left unscaled (``unit_dlogits``), the reduction's scale joining every gradient
+    they feed in float32 (grad_input's product, a float32 weight sum, the bias sums). Folded into fp16 dlogits a
+    mean's 1 / count (even only its power of two) sinks a softmax's tail below fp16's smallest normal (6.1e-5)
+    before backward's grad_output (a GradScaler's) could lift it: 90-110x the fp16 rounding in both gradients
+    at 8192 x 32 x 32000 in four chunks, where one chunk reads 1.0x (benchmark/NOTES.md)."""
     wanted = grads.input is not None or grads.weight is not None or grads.bias is not None
     return wanted and compute_dtype.itemsize == 2 and (grads.weight is None or grads.weight.dtype.itemsize > 2)
+
+
+def input_grad_dtype(x_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a grad_input that forward computes, until backward applies grad_output: float32 beside fp16
+    GEMMs, whose range the reduction's scale (a mean's 1 / count) would take before grad_output (a GradScaler's)
+    could lift it back (3.8x the fp16 rounding at 8192 x 32 x 32000 in four chunks with grad_output 1024, 1.0x in
+    float32); else x's (bf16 keeps float32's range)."""
+    return torch.float32 if compute_dtype == torch.float16 else x_dtype
 
 
 def split_scale(scale: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,11 +360,12 @@ def split_scale(scale: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Te
     it scales by kernel scale / temperature, take a power of two; residual, in [1/2, 1) (1 for a zero scale),
     times that power is scale / temperature.
 
-    Chunks round their dlogits before grad_output is known. Scaled there by a mean's 1 / count, every
-    target entry (-scale, for the likely rows) would carry the same rounding of that scale: 2.2-2.4x the
-    bf16 rounding in both gradients at counts that round badly (benchmark/NOTES.md); 1 / temperature
-    likewise. A power of two scales exactly (and, at most 2x the scale, keeps fp16 dlogits as far from
-    underflow); the residual joins the float32 products and sums instead."""
+    For dlogits rounded before grad_output is known whose residual must meet a 16-bit operand (x_c, per row,
+    or beside a 16-bit weight gradient); where only float32 products and sums take it, ``unit_dlogits``.
+    Scaled there by a mean's 1 / count, every target entry (-scale, for the likely rows) would carry the
+    same rounding of that scale: 2.2-2.4x the bf16 rounding in both gradients at counts that round badly
+    (benchmark/NOTES.md); 1 / temperature likewise. A power of two scales exactly; the residual, near 1,
+    meets the operand or the float32 products and sums instead."""
     mantissa, _ = torch.frexp(scale if temperature == 1.0 else scale / temperature)
     residual = torch.where(mantissa == 0, 1.0, mantissa)
     return scale / residual, residual  # exact at temperature 1: the quotient is a power of two
@@ -367,8 +380,9 @@ def unit_dlogits(scale: torch.Tensor, temperature: float) -> tuple[torch.Tensor,
 
 
 def settle_residual(grads: ChunkGrads, residual: torch.Tensor | None) -> None:
-    """After the chunks of a loop whose dlogits took only ``split_scale``'s power of two (grad_input has the
-    residual): a float32 weight sum and the bias sums take it in backward, with grad_output (``grads.scale``);
+    """After the chunks of a loop whose dlogits left out part of the scale (``unit_dlogits``, ``split_scale``;
+    grad_input has that residual): a float32 weight sum and the bias sums take it in backward, with grad_output
+    (``grads.scale``);
     beside a 16-bit weight gradient (a single chunk's, whose x_c took it) the bias sums take it now."""
     if residual is None:
         return

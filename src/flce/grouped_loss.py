@@ -33,7 +33,8 @@ import torch
 
 from .checks import check_tensors, compute_dtype, flat_targets, raise_bad_targets
 from .function import (ChunkGrads, LinearCrossEntropyFunction, LoopSpec, LossParts, PendingGrads,
-                       scaled_operand, scaled_product_into, settle_residual, split_scale, unit_dlogits)
+                       input_grad_dtype, scaled_operand, scaled_product_into, settle_residual, split_scale,
+                       unit_dlogits)
 from .gemm import bmm_into, linear_into, padded_width
 from .grouped import check_group_bias, group_major_view
 from .import_hooks import compile_disabled
@@ -196,8 +197,8 @@ def grouped_chunk_loop(
     target: (B, G) or (G, B) int64; grad_scale: None, 0-d, (G,) one per group, or per token in target's
     shape (reduction="none"). Per-token outputs have the target's shape; gradients the shapes of x, weight
     and bias. With a per-group or per-token grad_scale, ``parts.total`` is the sum of the tokens' losses
-    times their scales. As in the core, 16-bit dlogits take only a group's power of two of its scale, the
-    rest (``grads.scale``, (G,)) joins grad_input's float32 product and the float32 weight and bias sums.
+    times their scales. As in the core, 16-bit dlogits are left unscaled where float32 alone takes the scale
+    (``grads.scale``, (G,): grad_input's product, the weight and bias sums), else take each group's power of two.
     """
     opts, plan, compute_dtype, backend, want_correct = spec[:5]  # the grouped loss never passes counts
 
@@ -218,7 +219,7 @@ def grouped_chunk_loop(
 
     parts = LossParts(per_token_buffer(), per_token_buffer(), per_token_buffer() if want_correct else None)
     grads = ChunkGrads(
-        input=torch.empty(x.shape, dtype=x.dtype, device=dev) if need_x else None,
+        input=torch.empty(x.shape, dtype=input_grad_dtype(x.dtype, compute_dtype), device=dev) if need_x else None,
         weight=torch.empty(groups, vocab, hidden, dtype=plan.accum_dtype, device=dev) if need_w else None,
         bias=torch.zeros(groups, vocab, dtype=acc, device=dev) if need_b else None,
     )
@@ -237,13 +238,14 @@ def grouped_chunk_loop(
     x_gm, t_gm = gm(x), gm(target)
     defer = defer and per_group and plan.num_chunks == 1
     ce_scale, residual, pending_scale = grad_scale, None, None
-    if defer:  # backward applies the scales with grad_output, where each gradient is rounded once
-        ce_scale, pending_scale = unit_dlogits(grad_scale, opts.temperature)
-    elif per_group and compute_dtype.itemsize == 2 and (need_x or need_w or need_b):
-        ce_scale, residual = split_scale(grad_scale, opts.temperature)
     # The residual joins grad_input's float32 product here (the sums: ``settle_residual``); a 16-bit weight
     # gradient (a single chunk's) takes it on x_c, its operand, rounded once.
     wide_weight = grads.weight is None or grads.weight.dtype.itemsize > 2
+    if defer:  # backward applies the scales with grad_output, where each gradient is rounded once
+        ce_scale, pending_scale = unit_dlogits(grad_scale, opts.temperature)
+    elif per_group and compute_dtype.itemsize == 2 and (need_x or need_w or need_b):
+        # unscaled where only float32 takes the scale, as the one-head loop; else each group's power of two
+        ce_scale, residual = (unit_dlogits if wide_weight else split_scale)(grad_scale, opts.temperature)
     for i, (start, end) in enumerate(plan.bounds()):
         n = groups * (end - start)
         x_c = x_gm[:, start:end].to(compute_dtype)  # (G, c, H) view

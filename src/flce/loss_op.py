@@ -31,7 +31,8 @@ import torch
 from . import exp_logits, function
 from .checks import HostCopy, raise_bad_targets
 from .exp_logits import PendingExp
-from .function import ChunkGrads, LoopSpec, PendingGrads, chunk_loop, finish_pending, hopper_gemms, scale_grads
+from .function import (ChunkGrads, LoopSpec, PendingGrads, chunk_loop, finish_pending, hopper_gemms,
+                       input_grad_dtype, scale_grads)
 from .gemm import padded_rows, padded_width
 from .kernels import math_dtype, resolve_backend
 from .options import LossOptions
@@ -131,7 +132,7 @@ def _kept(x, weight, dtype, lay: _Layout, needs, validate: bool) -> list:
     handed, deferred, single, multi = lay.handed, lay.deferred, lay.exp_single, lay.exp_multi
     return [
         _Kept((n, vocab), dtype, lay.backend == "triton") if deferred else None,
-        _Kept((n, hidden), x.dtype) if handed and needs[0] else None,
+        _Kept((n, hidden), input_grad_dtype(x.dtype, dtype)) if handed and needs[0] else None,
         _Kept((vocab, hidden), lay.plan.accum_dtype) if handed and needs[1] else None,
         _Kept((vocab,), acc) if handed and needs[2] else None,
         _Kept((), acc) if lay.grad else None,
@@ -187,6 +188,8 @@ def _kept_tensors(grads, scaled: ScaleParts, lay: _Layout, x: torch.Tensor) -> t
     residual = grads.scale
     if residual is None and lay.grad:  # the outputs are fixed: a scale of 1
         residual = torch.ones((), dtype=scaled.scale.dtype, device=x.device)
+    elif residual is not None and residual is scaled.scale:  # ``function.unit_dlogits``: another output's tensor
+        residual = residual.clone()
     misses = grads.window.misses if grads.window is not None else None
     if misses is None and lay.exp_multi:
         misses = torch.full((1,), _STANDARD, dtype=torch.int32, device=x.device)

@@ -248,7 +248,7 @@ class LowMemoryFunction(torch.autograd.Function):
         else:
             block_scale = grad_scale * g
         if grad_x is not None:
-            _scale_input_grad(grad_x, g, dtypes[0], spec)
+            grad_x = _scale_input_grad(grad_x, g, dtypes[0], spec)
         first, grad_b = 0, None
         if share_sum is not None:  # forward's share: its float32 sums times grad_output, rounded once
             first = share_sum.shape[0]
@@ -320,7 +320,6 @@ def _forward_scale(grad_scale: torch.Tensor | None, spec: LoopSpec, device: torc
 
 
 def _scale_input_grad(grad_x: torch.Tensor, g: torch.Tensor, dtype: torch.dtype, spec: LoopSpec) -> torch.Tensor:
-    """grad_x times grad_output in place: per row (n,) for reduction='none', else 0-d."""
-    if g.dim() == 1:
-        return torch.mul(grad_x, g[:, None], out=grad_x)
-    return scale_into(grad_x, g, dtype, spec.backend)
+    """grad_x times grad_output, in ``dtype`` (in place where grad_x has it): per row (n,) for reduction='none',
+    else 0-d."""
+    return scale_into(grad_x, g[:, None] if g.dim() == 1 else g, dtype, spec.backend)
