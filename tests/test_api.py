@@ -148,8 +148,8 @@ def test_mean_scale_stays_out_of_the_rounded_dlogits(backend, device, chunk_size
     """A mean's 1 / count folded into the 16-bit dlogits puts that scale's rounding on every target entry:
     1.8x the bf16 rounding in both gradients at this count (172, or num_items_in_batch 172), 2.2x with
     grad_output 1/3 (eager 1.9 / 2.6). A single chunk now leaves dlogits unscaled (grad_weight then carries
-    x_c's rounding: 1.3x here); several chunks take only the scale's power of two, the rest meeting
-    float32. grad_output 1/3 still rounds grad_input twice there: it is stored in forward. 1 / temperature
+    x_c's rounding: 1.3x here); several chunks' dlogits too (until 18546e1 they took its power of two), the scale
+    meeting float32. grad_output 1/3 still rounds grad_input twice there: it is stored in forward. 1 / temperature
     joins the scale (folded into the dlogits it read 1.14x at 0.7 with a single chunk or several)."""
     x, w, t, kept = count_172_case(backend, device)
     t[~kept] = -100

@@ -216,7 +216,7 @@ def test_several_chunks_match_float64(path, reduction, opts):
 
 def test_several_chunks_and_a_short_last_one(path, monkeypatch):
     """A last chunk below the path's fewest rows takes the standard path in the same loop: the two paths'
-    sums take the same part of the mean's scale (``function.split_scale``)."""
+    sums take the same part of the mean's scale (``function.unit_dlogits``)."""
     monkeypatch.setattr(exp_logits, "MIN_ROWS", 12)
     x, w, b, t, cw = case(n=41, weight_cls=True)
     run_and_compare(x, w, b, t, cw, mode={"chunk_size": 16})

@@ -198,8 +198,8 @@ def test_group_losses_in_stats_match_float64(backend, device, group_reduction, r
 def test_group_scales_stay_out_of_the_rounded_dlogits(backend, device, chunk_size, group_reduction, g, temperature):
     """Each head's mean, 1 / count_g, folded into its 16-bit dlogits put that scale's rounding on every target
     entry of the head: 1.75x the bf16 rounding in both gradients at these counts (172 and 161), 2.0x with
-    grad_output 1/3. The dlogits now take only each scale's power of two; the rest meets grad_input's
-    float32 product and the float32 weight sums (1.0x); grad_output 1/3 still rounds the grad_input they
+    grad_output 1/3. The dlogits now take none of it (each scale's power of two until 18546e1); the scale meets
+    grad_input's float32 product and the float32 weight sums (1.0x); grad_output 1/3 still rounds the grad_input they
     stored a second time (1.4x). A single chunk leaves its dlogits unscaled for backward's GEMMs, which apply
     scale and grad_output to grad_input's float32 product (1.0x) and to x_c for grad_weight (1.4x). The
     temperature's 1 / 0.7 joins the scales."""

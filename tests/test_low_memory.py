@@ -251,8 +251,8 @@ def test_mean_scale_stays_out_of_the_rounded_dz(backend, device, blocks, confide
     every target entry: 1.6-1.8x the bf16 rounding of grad_weight and grad_bias. Backward's blocks now
     leave the one-hot term of an unconfident target out of dz and subtract it in float32 (1.00x); a
     confident one (p_y >= 1/2, a third of the rows with ``confident``) keeps it in dz, where p_y - 1 is
-    exact (1.2x there, against 1.7). Forward's chunks (off Hopper) take the scale's power of two alone, as
-    the default mode's (grad_input 1.8 -> 1.0x)."""
+    exact (1.2x there, against 1.7). Forward's chunks (off Hopper) leave the scale to float32, as the
+    default mode's (grad_input 1.8 -> 1.0x)."""
     if backend == "triton" and device.type == "cpu":
         pytest.skip("the interpreter truncates 16-bit casts where CUDA rounds: covered on a GPU")
     blocks(512)

@@ -8,7 +8,7 @@ timed in the same processes, and the peak memory above the inputs. Results:
 against its parent and the HEAD of then). GPU only:
 
     PYTHONPATH=benchmark python benchmark/probes/tree_ab.py --revs HEAD~1,HEAD [--shapes 32768x4096x128256,...]
-        [--rounds 3] [--blocks 3] [--steps 5] [--set exp_logits.MIN_ROWS=256]
+        [--rounds 3] [--blocks 3] [--steps 5] [--set exp_logits.MIN_ROWS=256] [--dtype float16]
 
 Where git is not at hand, unpack each revision first and pass the folders:
 ``git archive REV src/flce | tar -x -C DIR && mv DIR/src/flce DIR/REV``, then ``--revs DIR/REV1,DIR/REV2``.
@@ -38,7 +38,7 @@ def unpack(rev: str, name: str, into: Path) -> None:
     (into / "src" / "flce").rename(into / name)
 
 
-def worker(package: str, shapes: str, blocks: int, steps: int, settings: list[str]) -> None:
+def worker(package: str, shapes: str, blocks: int, steps: int, settings: list[str], dtype: str = "bfloat16") -> None:
     """One process: ``package``'s blocks and the floor's, per shape, as one JSON line each; ``settings``:
     ``module.attr=expr`` of the package (``exp_logits.MIN_ROWS=256``), set after import."""
     import importlib
@@ -53,8 +53,8 @@ def worker(package: str, shapes: str, blocks: int, steps: int, settings: list[st
     for shape in shapes.split(","):
         n, hidden, vocab = map(int, shape.split("x"))
         g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(n, hidden, device="cuda", generator=g).bfloat16()
-        w = (torch.randn(vocab, hidden, device="cuda", generator=g) * hidden**-0.5).bfloat16()
+        x = torch.randn(n, hidden, device="cuda", generator=g).to(getattr(torch, dtype))
+        w = (torch.randn(vocab, hidden, device="cuda", generator=g) * hidden**-0.5).to(getattr(torch, dtype))
         t = torch.randint(0, vocab, (n,), device="cuda", generator=g)
 
         def tree():
@@ -95,10 +95,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="steps per block")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=EXPR",
                    help="a setting of every tree's package, e.g. exp_logits.MIN_ROWS=256 (repeatable)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="of x and W")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        return worker(a.worker, a.shapes, a.blocks, a.steps, a.set)
+        return worker(a.worker, a.shapes, a.blocks, a.steps, a.set, a.dtype)
     revs = a.revs.split(",")
     times, peaks = defaultdict(lambda: defaultdict(list)), {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,7 +108,7 @@ def main() -> None:
         for _ in range(a.rounds):
             for i, rev in enumerate(revs):
                 out = subprocess.run([sys.executable, __file__, "--worker", f"flce_tree{i}", "--shapes", a.shapes,
-                                      "--blocks", str(a.blocks), "--steps", str(a.steps),
+                                      "--blocks", str(a.blocks), "--steps", str(a.steps), "--dtype", a.dtype,
                                       *(f"--set={x}" for x in a.set)], check=True,
                                      capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tmp}).stdout
                 for line in out.splitlines():
