@@ -382,8 +382,8 @@ def unit_dlogits(scale: torch.Tensor, temperature: float) -> tuple[torch.Tensor,
 def settle_residual(grads: ChunkGrads, residual: torch.Tensor | None) -> None:
     """After the chunks of a loop whose dlogits left out part of the scale (``unit_dlogits``, ``split_scale``;
     grad_input has that residual): a float32 weight sum and the bias sums take it in backward, with grad_output
-    (``grads.scale``);
-    beside a 16-bit weight gradient (a single chunk's, whose x_c took it) the bias sums take it now."""
+    (``grads.scale``); beside a 16-bit weight gradient (a single chunk's, whose x_c took it) the bias sums take
+    it now."""
     if residual is None:
         return
     if grads.weight is None or grads.weight.dtype.itemsize > 2:
