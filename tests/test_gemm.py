@@ -166,6 +166,27 @@ def test_linear_into_rounds_once(device, dtype, batch):
     assert (out == exact.to(dtype)).double().mean() >= 0.99
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,k,cols,padded", [(64, 100, 1001, True), (1, 100, 1000, False), (512, 8, 1, False),
+                                                (300, 24, 1003, False)])
+def test_linear_into_rounds_once_off_the_epilogue(device, dtype, rows, k, cols, padded, monkeypatch):
+    """Where cuBLASLt's bias epilogue is not taken (an unaligned vocabulary, padded rows, one row, V = 1), the sums
+    go through float32 pieces (here of 40 rows), each value rounded once: cuBLAS's plain GEMM with a 16-bit C
+    rounded the product first in some kernels, and a low-memory step's V = 1 head read a nonzero gradient where
+    its forward and backward blocks rounded differently (GPU fuzz, seed 61)."""
+    monkeypatch.setattr(gemm, "SPLIT_ON_CPU", True)  # the pieces on the CPU too
+    monkeypatch.setattr(gemm, "LINEAR_PIECE_BYTES", 40 * cols * 4)
+    a = torch.randn(rows, k, device=device).to(dtype)
+    b = (torch.randn(k, cols, device=device) * 0.8).to(dtype)
+    bias = (torch.randn(cols, device=device) * 4).to(dtype)
+    out = gemm.padded_rows(rows, cols, dtype, device) if padded else torch.empty(rows, cols, dtype=dtype,
+                                                                                  device=device)
+    out.fill_(float("nan"))  # poisoned: must be overwritten
+    gemm.linear_into(out, a, b.t().contiguous().t() if padded else b, bias)
+    exact = a.double() @ b.double() + bias.double()
+    assert (out == exact.to(dtype)).double().mean() >= 0.99
+
+
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_padded_rows_of_the_first_operand(device, accumulate):
     """A first operand in rows padded beyond its columns (``padded_rows``, as the logits buffer for backward's

@@ -66,15 +66,35 @@ def linear_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch
     0.77-0.81x the time of the GEMM and an add at 255-8192 rows x 128256 / 32000 columns, H200). Elsewhere the bias
     fills ``out`` and the GEMM adds its sums to it: once rounded on the CPU, while some of cuBLAS's kernels round
     the product before adding a 16-bit C (28% of the values an ulp off at 48 x 32 x 1000, H200); cuBLASLt, where
-    ``out`` is a strided view or an extent unaligned, picked kernels 3.6x slower."""
+    ``out`` is a strided view or an extent unaligned, picked kernels 3.6x slower, so there (and at one row) a 2-D
+    CUDA ``out`` takes float32 sums in pieces (``_linear_in_pieces``)."""
     batched = out.dim() == 3
-    if (bias is not None and not batched and out.is_cuda and out.element_size() == 2 and out.is_contiguous()
-            and min(a.shape) > 1 and not any(_splits(a, b, unit_n=True))):
-        torch.addmm(bias.to(out.dtype), a, b, out=out)
+    if bias is not None and not batched and (out.is_cuda or SPLIT_ON_CPU) and out.element_size() == 2:
+        if out.is_cuda and out.is_contiguous() and min(a.shape) > 1 and not any(_splits(a, b, unit_n=True)):
+            torch.addmm(bias.to(out.dtype), a, b, out=out)
+        else:  # one row, an unaligned extent or a strided out: float32 sums in pieces, rounded once
+            _linear_in_pieces(out, a, b, bias)
         return
     if bias is not None:
         out.copy_(bias[:, None, :] if batched else bias)  # broadcast over the rows (rounded to out's dtype)
     (bmm_into if batched else mm_into)(out, a, b, accumulate=bias is not None)
+
+
+# Bytes of the float32 piece in which ``linear_into`` sums a bias head's logits where cuBLASLt's epilogue is not
+# taken (cuBLAS's plain GEMM may round its product before adding a 16-bit C: a logit then rounds twice).
+LINEAR_PIECE_BYTES = 64 << 20
+
+
+def _linear_in_pieces(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor) -> None:
+    """out (m, n) = a @ b + bias from float32 sums of at most ``LINEAR_PIECE_BYTES`` at a time, each value
+    rounded once into out's dtype."""
+    rows = max(1, min(out.shape[0], LINEAR_PIECE_BYTES // max(1, out.shape[1] * 4)))
+    acc = torch.empty(rows, out.shape[1], dtype=torch.float32, device=out.device)
+    for start in range(0, out.shape[0], rows):
+        part = acc[: min(rows, out.shape[0] - start)]
+        part.copy_(bias)  # over every row, exactly
+        mm_into(part, a[start:start + rows], b, accumulate=True)
+        out[start:start + rows].copy_(part)
 
 
 def mm_new(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, padded: bool = False) -> torch.Tensor:
