@@ -406,8 +406,7 @@ def test_mean_scale_stays_out_of_the_rounded_dlogits(cluster2, chunk_size, g, te
     """As on one device: a mean's 1 / 172 folded into the 16-bit dlogits read 1.8x the bf16 rounding in both
     gradients (2.0-2.2x with grad_output 1/3). The dlogits take none of it, the scale joins the float32
     grad_input and sums (1.0x); beside a single chunk's 16-bit grad_weight they take its power of two, the rest
-    meeting x_c (1.3x, 1.6x
-    with grad_output 1/3, rounded again in backward). 1 / temperature joins the scale."""
+    meeting x_c (1.3x, 1.6x with grad_output 1/3, rounded again in backward). 1 / temperature joins the scale."""
     results = cluster2.run(_mean_scale_case, chunk_size=chunk_size, g=g, temperature=temperature)
     for rank, (input_ratio, weight_ratio) in enumerate(results):
         assert input_ratio <= 1.05, f"rank {rank}: grad_input at {input_ratio:.3g}x the bf16 rounding"
