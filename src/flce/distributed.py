@@ -294,12 +294,11 @@ def _chunk_loop(
     buffer = padded_rows(plan.rows, weight.shape[0], setup.compute_dtype, dev)
     ce_scale, residual = grad_scale, None
     wide_sums = grads.weight is None or grads.weight.dtype.itemsize > 2
-    if grad and setup.compute_dtype.itemsize == 2 and grad_scale.dim() == 0 and wide_sums:
-        # as the one-device loop: the scale joins the float32 product and sums alone (``function.unit_dlogits``)
-        ce_scale, residual = unit_dlogits(grad_scale, setup.opts.temperature)
-    elif grad and setup.compute_dtype.itemsize == 2 and (grad_scale.dim() == 0 or not need_b):
-        # its power of two (``function.split_scale``); a per-row grad_output (reduction="none") per row
-        ce_scale, residual = split_scale(grad_scale, setup.opts.temperature)
+    if grad and setup.compute_dtype.itemsize == 2 and (grad_scale.dim() == 0 or not need_b):
+        # as the one-device loop: unscaled where float32 alone takes the scale (``function.unit_dlogits``), else its
+        # power of two (``function.split_scale``; a per-row grad_output, reduction="none", per row)
+        split = unit_dlogits if grad_scale.dim() == 0 and wide_sums else split_scale
+        ce_scale, residual = split(grad_scale, setup.opts.temperature)
     per_row = residual is not None and residual.dim() == 1
     x_takes_residual = per_row or not wide_sums
     summing = None  # the grad_input all-reduce, in flight behind the last grad_weight GEMM
